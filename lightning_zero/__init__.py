@@ -1,0 +1,17 @@
+"""lightning_zero: ZeRO data parallelism as a PyTorch Lightning strategy.
+
+Importing the package registers the strategy names (``zero0``, ``zero0_spawn``, ...) in
+Lightning's StrategyRegistry, so ``Trainer(strategy="zero0")`` works. Importing twice is harmless.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.comm import CommLedger
+from lightning_zero.config import ZeroConfig
+from lightning_zero.grad_sync import UnusedParametersError
+from lightning_zero.strategy import ZeroStrategy
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["CommLedger", "UnusedParametersError", "ZeroConfig", "ZeroStrategy"]
+__version__ = "0.1.0"

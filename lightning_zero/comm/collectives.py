@@ -1,0 +1,148 @@
+"""The only place in the package that calls torch.distributed.
+
+Every collective goes through a :class:`Communicator`, which records it in the ledger (see
+[Note: logical bytes] in ``ledger.py``) and names it for the profiler, so that a trace shows
+``zero0/all_reduce/bucket=2`` instead of an anonymous ``gloo:all_reduce``.
+
+With a world size of 1 (or no process group) every collective is a no-op that completes at once
+and nothing is recorded: one process has nobody to talk to.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.comm.ledger import CommLedger
+
+
+class Handle:
+    """An issued collective; ``wait()`` blocks until its result is in the output tensor."""
+
+    def __init__(self, work: Any | None = None) -> None:
+        self._work = work  # torch Work object, None when the collective was a no-op
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Communicator:
+    """Collectives over one process group, recorded in a :class:`CommLedger`.
+
+    Args:
+        group: the process group; ``None`` means the default (world) group.
+        ledger: where every collective is recorded; a fresh one when not given.
+    """
+
+    def __init__(self, group: Any | None = None, ledger: CommLedger | None = None) -> None:
+        self.group = group  # torch ProcessGroup or None for WORLD
+        self.ledger = ledger if ledger is not None else CommLedger()  # record of every collective
+        self.world_size = dist.get_world_size(group) if is_distributed() else 1  # N
+        self.rank = dist.get_rank(group) if is_distributed() else 0  # this rank within the group
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def _issue(self, op: str, name: str, payload_bytes: int, launch: Any) -> Handle:
+        if not self.active:
+            return Handle()
+        self.ledger.record(op, name, payload_bytes, self.world_size)
+        with torch.profiler.record_function(name):
+            return Handle(launch())
+
+    def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
+        """Sum ``tensor`` in place across ranks."""
+        nbytes = tensor.numel() * tensor.element_size()
+        handle = self._issue(
+            "all_reduce", name, nbytes, lambda: dist.all_reduce(tensor, group=self.group, async_op=True)
+        )
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
+        """Sum ``input`` (1D, N x shard) across ranks; rank r receives chunk r in ``output``."""
+        nbytes = input.numel() * input.element_size()
+        handle = self._issue(
+            "reduce_scatter",
+            name,
+            nbytes,
+            lambda: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True),
+        )
+        if not self.active:
+            output.copy_(input)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
+        """Concatenate every rank's ``input`` shard into ``output`` (1D, N x shard)."""
+        nbytes = output.numel() * output.element_size()
+        handle = self._issue(
+            "all_gather",
+            name,
+            nbytes,
+            lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=True),
+        )
+        if not self.active:
+            output.copy_(input)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def broadcast(self, tensor: Tensor, *, src: int = 0, name: str) -> None:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s value (synchronous)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        self._issue(
+            "broadcast",
+            name,
+            nbytes,
+            lambda: dist.broadcast(tensor, src_global, group=self.group, async_op=True),
+        ).wait()
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor], *, src: int = 0, name: str) -> None:
+        """Broadcast many tensors with one collective per (dtype, device), coalesced in a flat copy."""
+        for group in _group_by_dtype_device(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src=src, name=name)
+            offset = 0
+            for t in group:
+                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def broadcast_object(self, obj: Any, *, src: int = 0, name: str, device: torch.device) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        self.broadcast(size, src=src, name=f"{name}/size")
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buf, src=src, name=name)
+        return pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def _group_by_dtype_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())

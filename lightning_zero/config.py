@@ -1,0 +1,95 @@
+"""ZeroConfig: every option of the strategy, validated where it enters.
+
+The same dataclass is registered in Hydra's ConfigStore (``strategy/zero_schema``), so a typo in a
+command-line override (``strategy.bucket_cap_mbb=1``) is an error instead of a silently ignored key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_STAGES = (0,)  # stages this build implements; later stages extend the tuple
+
+
+@dataclass
+class ZeroConfig:
+    """Options of :class:`~lightning_zero.ZeroStrategy`.
+
+    Args:
+        stage: ZeRO stage. 0 = plain data parallel (bucketed AllReduce of gradients).
+        bucket_cap_mb: size of a gradient bucket in MiB. Small buckets start communicating early
+            but pay the per-collective latency many times; large buckets leave the last bucket's
+            communication exposed after backward.
+        first_bucket_cap_mb: size of the first bucket (the last layers' gradients, ready first),
+            kept small so that communication starts as early as possible in backward.
+        broadcast_buffers: broadcast module buffers from rank 0 at every synchronised training
+            forward (as torch DDP does), so that e.g. BatchNorm statistics agree across ranks.
+        find_unused_parameters: allow parameters that receive no gradient in a synchronised
+            backward. Off: such a parameter is an error that names it. On: its slot is reduced as
+            zeros and an extra small AllReduce of the per-parameter used-map runs each step.
+    """
+
+    stage: int = 0  # ZeRO stage: 0 plain DP
+    bucket_cap_mb: float = 25.0  # cap of one gradient bucket, MiB
+    first_bucket_cap_mb: float = 1.0  # cap of the first bucket (first gradients ready), MiB
+    broadcast_buffers: bool = True  # buffers from rank 0 at each synced training forward
+    find_unused_parameters: bool = False  # tolerate params without grad (DDP semantics)
+
+    def __post_init__(self) -> None:
+        _check_int("stage", self.stage)
+        if self.stage not in SUPPORTED_STAGES:
+            raise ValueError(f"stage must be one of {list(SUPPORTED_STAGES)}, got {self.stage!r}")
+        _check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        _check_positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        _check_bool("broadcast_buffers", self.broadcast_buffers)
+        _check_bool("find_unused_parameters", self.find_unused_parameters)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
+        """Build a config, refusing unknown names with the list of known ones."""
+        known = set(option_names())
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown ZeroConfig option(s): {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 1024 * 1024)
+
+    @property
+    def first_bucket_cap_bytes(self) -> int:
+        return int(self.first_bucket_cap_mb * 1024 * 1024)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 (MiB), got {value!r}")
+
+
+def register_hydra_schema() -> None:
+    """Register ZeroConfig as ``strategy/zero_schema`` in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="strategy", name="zero_schema", node=ZeroConfig)

@@ -1,0 +1,70 @@
+"""ZeroModule: the root wrapper the strategy puts around the LightningModule (stage 0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.comm import Communicator
+from lightning_zero.config import ZeroConfig
+from lightning_zero.grad_sync.reducer import GradReducer
+
+
+class ZeroModule(nn.Module):
+    """Runs the wrapped module's forward after the per-step preparation of gradient sync.
+
+    Lightning calls ``training_step`` through this module's ``forward`` (its forward
+    redirection), so this is where a training step begins.
+
+    Args:
+        module: the LightningModule.
+        reducer: synchronises its gradients.
+        comm: used to broadcast buffers.
+        broadcast_buffers: broadcast buffers from rank 0 before each synchronised training forward.
+    """
+
+    def __init__(
+        self, module: nn.Module, reducer: GradReducer, comm: Communicator, *, broadcast_buffers: bool
+    ) -> None:
+        super().__init__()
+        self.module = module  # the wrapped LightningModule
+        self.reducer = reducer  # gradient buckets and hooks
+        self._comm = comm  # collectives for the buffer broadcast
+        self._broadcast_buffers = broadcast_buffers  # whether buffers follow rank 0 each step
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self.module.training:
+            if self._broadcast_buffers and self.reducer.sync_enabled:
+                self.sync_buffers()
+            self.reducer.prepare_forward()
+        return self.module(*args, **kwargs)
+
+    def sync_buffers(self) -> None:
+        buffers = [b for b in self.module.buffers() if b.numel() > 0]
+        if buffers:
+            self._comm.broadcast_tensors(buffers, src=0, name=f"{self.reducer.label}/broadcast/buffers")
+
+
+def wrap_module(module: nn.Module, comm: Communicator, config: ZeroConfig) -> ZeroModule:
+    """Hooks and buckets for every trainable parameter of ``module``, and the root wrapper around it."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to train")
+    reducer = GradReducer(
+        named,
+        comm,
+        cap_bytes=config.bucket_cap_bytes,
+        first_cap_bytes=config.first_bucket_cap_bytes,
+        find_unused_parameters=config.find_unused_parameters,
+        label=f"zero{config.stage}",
+    )
+    return ZeroModule(module, reducer, comm, broadcast_buffers=config.broadcast_buffers)
+
+
+def broadcast_module_states(module: nn.Module, comm: Communicator, *, label: str) -> None:
+    """Rank 0's parameters and buffers everywhere, so ranks seeded differently start equal."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0]
+    with torch.no_grad():
+        comm.broadcast_tensors(tensors, src=0, name=f"{label}/broadcast/module_states")

@@ -1,0 +1,255 @@
+"""GradReducer: bucketed, asynchronous gradient synchronisation driven by autograd hooks.
+
+[Note: gradient storage]
+Each bucket owns one flat tensor (1D, ``padded_numel`` elements). A parameter's ``.grad`` is a
+view into its bucket's slot, attached before every training forward (``prepare_forward``), so
+autograd accumulates straight into bucket storage and there is no second copy of the gradients.
+If something replaced ``.grad`` (``zero_grad(set_to_none=True)`` followed by a backward before
+the next forward, or user code), the ready hook copies the new tensor into the slot and points
+``.grad`` back at it. The reducer owns the flat tensors; they live as long as the reducer.
+
+[Note: same collectives everywhere]
+Every rank must issue the same collectives, of the same sizes, in the same order. Buckets are
+therefore launched strictly in plan order: a full bucket waits until all earlier buckets have
+been launched. At the end of a synchronised backward every bucket not yet launched (one holding a
+parameter that got no gradient) is launched too, before any error is raised, so a rank that
+fails does not leave its peers inside an unmatched collective. The rebuilt plan after the first
+step comes from rank 0's observed order, broadcast to all.
+
+[Note: no_sync]
+Inside ``no_sync()`` the hooks only keep ``.grad`` in bucket storage and note which parameters
+were used; no collective runs. The first synchronised backward after the window then reduces the
+accumulated sum, because the slots were never cleared in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_zero.comm import Communicator, Handle
+from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, plan_buckets
+
+
+class UnusedParametersError(RuntimeError):
+    """A parameter that requires grad got no gradient in a synchronised backward."""
+
+
+class Bucket:
+    """Flat gradient storage for some parameters, plus its state in the current backward."""
+
+    def __init__(self, index: int, spec: BucketSpec, params: Sequence[Parameter]) -> None:
+        self.index = index  # position in launch order
+        self.spec = spec  # which parameters, at which offsets
+        self.flat = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)  # 1D, padded
+        self.params = list(params)  # the parameters whose gradients live here, in slot order
+        self.views = [  # param-shaped views into self.flat, one per parameter
+            self.flat[off : off + p.numel()].view_as(p) for off, p in zip(spec.offsets, params)
+        ]
+        self.pending = len(self.params)  # parameters not yet ready in this backward
+        self.handle: Handle | None = None  # the in-flight collective, None when not launched
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.handle = None
+
+
+class GradReducer:
+    """Synchronises the gradients of ``named_params`` across the ranks of ``comm``.
+
+    Args:
+        named_params: (name, parameter) pairs that require grad, each parameter once, in
+            registration order.
+        comm: the communicator whose ledger records every collective.
+        cap_bytes: bucket cap in bytes.
+        first_cap_bytes: cap of the first bucket in bytes.
+        find_unused_parameters: reduce missing gradients as zeros instead of raising.
+        label: prefix of the collectives' names (e.g. ``"zero0"``).
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, Parameter]],
+        comm: Communicator,
+        *,
+        cap_bytes: int,
+        first_cap_bytes: int,
+        find_unused_parameters: bool = False,
+        label: str = "zero0",
+    ) -> None:
+        self.names = [name for name, _ in named_params]  # registration index -> name
+        self.params = [p for _, p in named_params]  # registration index -> parameter
+        self.comm = comm
+        self.cap_bytes = cap_bytes
+        self.first_cap_bytes = first_cap_bytes
+        self.find_unused_parameters = find_unused_parameters
+        self.label = label
+        self.sync_enabled = True  # False inside no_sync()
+        self.buckets: list[Bucket] = []  # in launch order
+        self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
+        self._index = {id(p): i for i, p in enumerate(self.params)}  # id(param) -> index
+        self._used = [False] * len(self.params)  # got a gradient since the last sync
+        self._ready = [False] * len(self.params)  # got a gradient in this synced backward
+        self._ready_order: list[int] = []  # indices in ready order, recorded until the rebuild
+        self._rebuilt = False  # whether the plan was rebuilt from the observed order
+        self._next_launch = 0  # index of the next bucket to launch
+        self._finalize_queued = False  # end-of-backward callback queued for this backward
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._build(plan_buckets(self._infos(), cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes))
+
+    # -- plan and storage -------------------------------------------------------------------
+
+    def _infos(self) -> list[ParamInfo]:
+        return [ParamInfo(i, p.numel(), p.dtype, p.device) for i, p in enumerate(self.params)]
+
+    def _build(self, specs: list[BucketSpec]) -> None:
+        """Allocate buckets for ``specs``, moving any gradient already held into the new slots."""
+        old_grads = [p.grad for p in self.params]
+        self.buckets = [Bucket(i, s, [self.params[j] for j in s.params]) for i, s in enumerate(specs)]
+        self._slot = {j: (b, k) for b in self.buckets for k, j in enumerate(b.spec.params)}
+        for i, grad in enumerate(old_grads):
+            if grad is not None:
+                bucket, k = self._slot[i]
+                bucket.views[k].copy_(grad)
+                self.params[i].grad = bucket.views[k]
+
+    def bucket_specs(self) -> list[BucketSpec]:
+        return [b.spec for b in self.buckets]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- forward side ------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally; no collective runs."""
+        previous = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def prepare_forward(self) -> None:
+        """Point every ``.grad`` at its bucket slot (zeroed where the gradient was cleared)."""
+        for i, p in enumerate(self.params):
+            bucket, k = self._slot[i]
+            view = bucket.views[k]
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    # -- backward side -----------------------------------------------------------------------
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        i = self._index[id(param)]
+        bucket, k = self._slot[i]
+        view = bucket.views[k]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+        self._used[i] = True
+        if not self.sync_enabled:
+            return
+        if not self._finalize_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            self._finalize_queued = True
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} became ready twice in one synchronised backward; "
+                "reentrant backward passes (e.g. activation checkpointing with use_reentrant=True) are "
+                "not supported, use use_reentrant=False"
+            )
+        self._ready[i] = True
+        if not self._rebuilt:
+            self._ready_order.append(i)
+        bucket.pending -= 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.flat.div_(self.comm.world_size)
+        bucket.handle = self.comm.all_reduce(
+            bucket.flat, name=f"{self.label}/all_reduce/bucket={bucket.index}"
+        )
+
+    def _finalize(self) -> None:
+        """End of a synchronised backward: launch what is left, wait for everything, check."""
+        self._finalize_queued = False
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        for i in missing:
+            if self.params[i].grad is None:  # no slot attached: nothing accumulated, reduce zeros
+                bucket, k = self._slot[i]
+                bucket.views[k].zero_()
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch(bucket)
+        used_map = self._launch_used_map() if self.find_unused_parameters else None
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+        if missing and not self.find_unused_parameters:
+            self._reset_backward_state()
+            raise UnusedParametersError(self._unused_message(missing))
+        if used_map is not None:
+            self._drop_globally_unused(used_map)
+        if not self._rebuilt:
+            self._rebuild()
+        self._reset_backward_state()
+        self._used = [False] * len(self.params)
+
+    def _reset_backward_state(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._ready = [False] * len(self.params)
+        self._next_launch = 0
+
+    def _launch_used_map(self) -> tuple[Tensor, Handle]:
+        device = self.params[0].device
+        used = torch.tensor(self._used, dtype=torch.int32, device=device)
+        return used, self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map")
+
+    def _drop_globally_unused(self, used_map: tuple[Tensor, Handle]) -> None:
+        """A parameter no rank used keeps ``.grad = None``, as torch DDP leaves it."""
+        used, handle = used_map
+        handle.wait()
+        for i, count in enumerate(used.tolist()):
+            if count == 0:
+                self.params[i].grad = None
+
+    def _rebuild(self) -> None:
+        """Rebuild the plan once, in the ready order rank 0 observed (see [Note: bucket order])."""
+        self._rebuilt = True
+        device = self.params[0].device
+        order = self.comm.broadcast_object(
+            self._ready_order, name=f"{self.label}/bucket_order", device=device
+        )
+        self._ready_order = []
+        specs = plan_buckets(
+            self._infos(), cap_bytes=self.cap_bytes, first_cap_bytes=self.first_cap_bytes, order=order
+        )
+        if specs != self.bucket_specs():
+            self._build(specs)
+
+    def _unused_message(self, missing: list[int]) -> str:
+        names = ", ".join(self.names[i] for i in missing[:20])
+        more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
+        return (
+            f"{len(missing)} parameter(s) that require grad got no gradient in this backward: {names}{more}. "
+            "Every rank must reduce every parameter each step. Either make sure they take part in the loss, "
+            "freeze them (requires_grad=False) before training, or pass find_unused_parameters=True to the "
+            "strategy (e.g. ZeroStrategy(find_unused_parameters=True) or strategy.find_unused_parameters=true)."
+        )
