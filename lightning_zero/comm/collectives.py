@@ -20,6 +20,10 @@ from torch import Tensor
 
 from lightning_zero.comm.ledger import CommLedger
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Handle:
     """An issued collective; ``wait()`` blocks until its result is in the output tensor."""
@@ -83,7 +87,7 @@ class Communicator:
             "reduce_scatter",
             name,
             nbytes,
-            lambda: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True),
+            lambda: _REDUCE_SCATTER(output, input, group=self.group, async_op=True),
         )
         if not self.active:
             output.copy_(input)
@@ -98,7 +102,7 @@ class Communicator:
             "all_gather",
             name,
             nbytes,
-            lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=True),
+            lambda: _ALL_GATHER(output, input, group=self.group, async_op=True),
         )
         if not self.active:
             output.copy_(input)

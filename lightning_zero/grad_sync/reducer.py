@@ -16,6 +16,16 @@ parameter that got no gradient) is launched too, before any error is raised, so 
 fails does not leave its peers inside an unmatched collective. The rebuilt plan after the first
 step comes from rank 0's observed order, broadcast to all.
 
+[Note: sharded gradients]
+Stages 1 and 2 reduce-scatter each bucket instead of all-reducing it (bucket padded to a multiple
+of N; rank r owns chunk r). Stage 1 keeps the full bucket as gradient storage, as stage 0 does, and
+reduce-scatters in place: afterwards chunk r of the bucket holds rank r's summed shard, the rest of
+the bucket is scratch, and the parameters' ``.grad`` are cleared. Stage 2 attaches no views: the
+ready hook adds a parameter's fresh ``.grad`` into a bucket allocated on demand and drops the
+``.grad`` at once; the bucket is freed as soon as its reduce-scatter completed, so only the 1/N
+shard gradients (accumulated in fp32 across micro-batches) outlive the backward. The shard
+gradient of bucket b lands in ``shard_params[b].grad``, which is what the sharded optimizer steps.
+
 [Note: no_sync]
 Inside ``no_sync()`` the hooks only keep ``.grad`` in bucket storage and note which parameters
 were used; no collective runs. The first synchronised backward after the window then reduces the
@@ -24,7 +34,7 @@ accumulated sum, because the slots were never cleared in between.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -42,20 +52,36 @@ class UnusedParametersError(RuntimeError):
 class Bucket:
     """Flat gradient storage for some parameters, plus its state in the current backward."""
 
-    def __init__(self, index: int, spec: BucketSpec, params: Sequence[Parameter]) -> None:
+    def __init__(
+        self, index: int, spec: BucketSpec, params: Sequence[Parameter], *, persistent: bool
+    ) -> None:
         self.index = index  # position in launch order
         self.spec = spec  # which parameters, at which offsets
-        self.flat = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)  # 1D, padded
         self.params = list(params)  # the parameters whose gradients live here, in slot order
-        self.views = [  # param-shaped views into self.flat, one per parameter
-            self.flat[off : off + p.numel()].view_as(p) for off, p in zip(spec.offsets, params)
-        ]
+        self.flat: Tensor | None = None  # 1D, padded_numel; None while freed (stage 2)
+        self.views: list[Tensor] = []  # param-shaped views into self.flat, one per parameter
         self.pending = len(self.params)  # parameters not yet ready in this backward
         self.handle: Handle | None = None  # the in-flight collective, None when not launched
+        self.shard_out: Tensor | None = None  # 1D, padded_numel / N: reduce-scatter output
+        if persistent:
+            self.allocate()
+
+    def allocate(self) -> Tensor:
+        """The flat storage, zero-filled when (re)allocated."""
+        if self.flat is None:
+            self.flat = torch.zeros(self.spec.padded_numel, dtype=self.spec.dtype, device=self.spec.device)
+            self.views = [
+                self.flat[o : o + p.numel()].view_as(p) for o, p in zip(self.spec.offsets, self.params)
+            ]
+        return self.flat
+
+    def free(self) -> None:
+        self.flat, self.views = None, []
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.handle = None
+        self.shard_out = None
 
 
 class GradReducer:
@@ -69,6 +95,10 @@ class GradReducer:
         first_cap_bytes: cap of the first bucket in bytes.
         find_unused_parameters: reduce missing gradients as zeros instead of raising.
         label: prefix of the collectives' names (e.g. ``"zero0"``).
+        stage: 0 all-reduces buckets; 1 and 2 reduce-scatter them (see [Note: sharded gradients]).
+        keys: per parameter, an extra bucket split key (the optimizer param group for stages 1-2).
+        accumulate_unsharded: stage 2 only: inside ``no_sync()`` keep full local gradients and
+            reduce-scatter once per window (less traffic, more memory) instead of every micro-batch.
     """
 
     def __init__(
@@ -80,6 +110,9 @@ class GradReducer:
         first_cap_bytes: int,
         find_unused_parameters: bool = False,
         label: str = "zero0",
+        stage: int = 0,
+        keys: Sequence[Hashable] | None = None,
+        accumulate_unsharded: bool = False,
     ) -> None:
         self.names = [name for name, _ in named_params]  # registration index -> name
         self.params = [p for _, p in named_params]  # registration index -> parameter
@@ -88,6 +121,12 @@ class GradReducer:
         self.first_cap_bytes = first_cap_bytes
         self.find_unused_parameters = find_unused_parameters
         self.label = label
+        self.stage = stage  # 0: all-reduce; 1, 2: reduce-scatter into shards
+        self.keys = list(keys) if keys is not None else [None] * len(self.params)  # bucket split keys
+        self.pad_to = comm.world_size if stage >= 1 else 1  # buckets divisible into N shards
+        self.attach_views = stage <= 1  # gradients live in bucket storage between backwards
+        self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
+        self.shard_params: list[Parameter] | None = None  # bucket -> shard parameter (stages 1-2)
         self.sync_enabled = True  # False inside no_sync()
         self.buckets: list[Bucket] = []  # in launch order
         self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
@@ -99,20 +138,33 @@ class GradReducer:
         self._next_launch = 0  # index of the next bucket to launch
         self._finalize_queued = False  # end-of-backward callback queued for this backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        self._build(plan_buckets(self._infos(), cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes))
+        self._build(self._plan())
 
     # -- plan and storage -------------------------------------------------------------------
 
-    def _infos(self) -> list[ParamInfo]:
-        return [ParamInfo(i, p.numel(), p.dtype, p.device) for i, p in enumerate(self.params)]
+    def _plan(self, order: Sequence[int] | None = None) -> list[BucketSpec]:
+        infos = [
+            ParamInfo(i, p.numel(), p.dtype, p.device, k)
+            for i, (p, k) in enumerate(zip(self.params, self.keys))
+        ]
+        return plan_buckets(
+            infos,
+            cap_bytes=self.cap_bytes,
+            first_cap_bytes=self.first_cap_bytes,
+            order=order,
+            pad_to=self.pad_to,
+        )
 
     def _build(self, specs: list[BucketSpec]) -> None:
         """Allocate buckets for ``specs``, moving any gradient already held into the new slots."""
         old_grads = [p.grad for p in self.params]
-        self.buckets = [Bucket(i, s, [self.params[j] for j in s.params]) for i, s in enumerate(specs)]
+        self.buckets = [
+            Bucket(i, s, [self.params[j] for j in s.params], persistent=self.attach_views)
+            for i, s in enumerate(specs)
+        ]
         self._slot = {j: (b, k) for b in self.buckets for k, j in enumerate(b.spec.params)}
         for i, grad in enumerate(old_grads):
-            if grad is not None:
+            if grad is not None and self.attach_views:
                 bucket, k = self._slot[i]
                 bucket.views[k].copy_(grad)
                 self.params[i].grad = bucket.views[k]
@@ -129,7 +181,14 @@ class GradReducer:
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        """Backward passes inside accumulate gradients locally; no collective runs."""
+        """Backward passes inside accumulate gradients locally; no collective runs.
+
+        Stage 2 (unless ``accumulate_unsharded``) reduce-scatters every micro-batch instead, so that
+        no full gradient outlives a backward: then this context changes nothing.
+        """
+        if not self.honours_no_sync:
+            yield
+            return
         previous = self.sync_enabled
         self.sync_enabled = False
         try:
@@ -139,6 +198,8 @@ class GradReducer:
 
     def prepare_forward(self) -> None:
         """Point every ``.grad`` at its bucket slot (zeroed where the gradient was cleared)."""
+        if not self.attach_views:
+            return
         for i, p in enumerate(self.params):
             bucket, k = self._slot[i]
             view = bucket.views[k]
@@ -153,11 +214,7 @@ class GradReducer:
 
     def _on_grad_ready(self, param: Tensor) -> None:
         i = self._index[id(param)]
-        bucket, k = self._slot[i]
-        view = bucket.views[k]
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        self._store_grad(i, param)
         self._used[i] = True
         if not self.sync_enabled:
             return
@@ -173,8 +230,23 @@ class GradReducer:
         self._ready[i] = True
         if not self._rebuilt:
             self._ready_order.append(i)
-        bucket.pending -= 1
+        self._slot[i][0].pending -= 1
         self._launch_ready_buckets()
+
+    def _store_grad(self, i: int, param: Tensor) -> None:
+        """Make bucket storage hold the gradient (see [Note: gradient storage])."""
+        bucket, k = self._slot[i]
+        if param.grad is None:
+            return
+        if not self.attach_views:
+            bucket.allocate()
+            bucket.views[k].add_(param.grad)
+            param.grad = None
+            return
+        view = bucket.views[k]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
@@ -192,7 +264,7 @@ class GradReducer:
         self._finalize_queued = False
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:
-            if self.params[i].grad is None:  # no slot attached: nothing accumulated, reduce zeros
+            if self.params[i].grad is None and self.attach_views:  # nothing accumulated: reduce zeros
                 bucket, k = self._slot[i]
                 bucket.views[k].zero_()
         for bucket in self.buckets[self._next_launch :]:
@@ -206,7 +278,9 @@ class GradReducer:
             raise UnusedParametersError(self._unused_message(missing))
         if used_map is not None:
             self._drop_globally_unused(used_map)
-        if not self._rebuilt:
+        if self.stage >= 1:
+            self._deliver_shards()
+        elif not self._rebuilt:
             self._rebuild()
         self._reset_backward_state()
         self._used = [False] * len(self.params)
@@ -238,9 +312,7 @@ class GradReducer:
             self._ready_order, name=f"{self.label}/bucket_order", device=device
         )
         self._ready_order = []
-        specs = plan_buckets(
-            self._infos(), cap_bytes=self.cap_bytes, first_cap_bytes=self.first_cap_bytes, order=order
-        )
+        specs = self._plan(order)
         if specs != self.bucket_specs():
             self._build(specs)
 

@@ -1,0 +1,40 @@
+# The two commands of the README:  make train  (the example run)  and  make test  (install + tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test test-slow lint format bench clean
+
+$(STAMP): setup.cfg constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: an open range would fetch a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: install
+	$(PY) examples/train.py $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -p no:cacheprovider -m slow $(ARGS)
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	$(PY) benchmarks/bench_step_time.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun lightning_logs

@@ -1,0 +1,69 @@
+"""ZeroConfig and ZeroStrategy refuse bad input where it enters, naming field and value."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+import lightning_zero
+from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.config import register_hydra_schema
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stage": 7}, ValueError, r"stage must be one of \[0"),
+        ({"stage": "1"}, TypeError, "stage must be an int, got '1'"),
+        ({"bucket_cap_mb": -1}, ValueError, "bucket_cap_mb must be > 0 \\(MiB\\), got -1"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+        ({"bucket_cap_mb": "big"}, TypeError, "bucket_cap_mb must be a number, got 'big'"),
+        ({"first_bucket_cap_mb": float("nan")}, ValueError, "first_bucket_cap_mb must be > 0"),
+        ({"broadcast_buffers": "yes"}, TypeError, "broadcast_buffers must be true or false"),
+        ({"find_unused_parameters": 1}, TypeError, "find_unused_parameters must be true or false"),
+    ],
+)
+def test_bad_values(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ZeroConfig(**kwargs)
+    with pytest.raises(error, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_unknown_option_names_the_option_and_lists_the_known_ones():
+    with pytest.raises(TypeError, match="bucket_cap_mbb.*known.*bucket_cap_mb"):
+        ZeroConfig.from_kwargs(bucket_cap_mbb=1)
+    with pytest.raises(TypeError, match="bucket_cap_mbb.*known ZeRO options.*bucket_cap_mb"):
+        ZeroStrategy(bucket_cap_mbb=1)
+
+
+def test_defaults():
+    cfg = ZeroConfig()
+    assert (cfg.stage, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb) == (0, 25.0, 1.0)
+    assert cfg.bucket_cap_bytes == 25 * 2**20 and cfg.first_bucket_cap_bytes == 2**20
+
+
+def test_registered_names_and_second_import():
+    import importlib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    importlib.reload(lightning_zero)  # a second registration must not fail
+    assert {"zero0", "zero0_spawn"} <= set(StrategyRegistry)
+    assert StrategyRegistry["zero0_spawn"]["init_params"] == {"stage": 0, "start_method": "spawn"}
+
+
+def test_hydra_schema_rejects_typos_and_wrong_types(tmp_path):
+    register_hydra_schema()
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "z.yaml").write_text("defaults:\n  - zero_schema\n  - _self_\nstage: 0\n")
+    (tmp_path / "config.yaml").write_text("defaults:\n  - strategy: z\n  - _self_\n")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose("config", overrides=["strategy.bucket_cap_mb=2"])
+        assert ZeroStrategy(**OmegaConf.to_container(cfg.strategy)).config.bucket_cap_mb == 2.0
+        with pytest.raises(Exception, match="bucket_cap_mbb"):
+            compose("config", overrides=["strategy.bucket_cap_mbb=2"])
+        with pytest.raises(Exception, match="bucket_cap_mb"):
+            compose("config", overrides=["strategy.bucket_cap_mb=big"])
+    GlobalHydra.instance().clear()
