@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_STAGES = (0,)  # stages this build implements; later stages extend the tuple
+SUPPORTED_STAGES = (0, 1, 2)  # stages this build implements
 
 
 @dataclass
@@ -19,7 +19,9 @@ class ZeroConfig:
     """Options of :class:`~lightning_zero.ZeroStrategy`.
 
     Args:
-        stage: ZeRO stage. 0 = plain data parallel (bucketed AllReduce of gradients).
+        stage: ZeRO stage. 0 = plain data parallel (bucketed AllReduce of gradients); 1 = shard
+            the optimizer state (ReduceScatter of gradients, AllGather of updated parameters);
+            2 = shard the gradients too (a bucket's full gradient is freed once reduce-scattered).
         bucket_cap_mb: size of a gradient bucket in MiB. Small buckets start communicating early
             but pay the per-collective latency many times; large buckets leave the last bucket's
             communication exposed after backward.
@@ -30,6 +32,10 @@ class ZeroConfig:
         find_unused_parameters: allow parameters that receive no gradient in a synchronised
             backward. Off: such a parameter is an error that names it. On: its slot is reduced as
             zeros and an extra small AllReduce of the per-parameter used-map runs each step.
+        accumulate_unsharded: stage 2 with gradient accumulation: keep full local gradients across
+            the accumulation window and reduce-scatter once at its end (no_sync; traffic of one
+            step, +2Ψ bytes of gradients held), instead of reduce-scattering every micro-batch
+            into the 1/N shard (memory stays 1/N, traffic grows with the window).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -37,6 +43,7 @@ class ZeroConfig:
     first_bucket_cap_mb: float = 1.0  # cap of the first bucket (first gradients ready), MiB
     broadcast_buffers: bool = True  # buffers from rank 0 at each synced training forward
     find_unused_parameters: bool = False  # tolerate params without grad (DDP semantics)
+    accumulate_unsharded: bool = False  # stage 2: no_sync with full grads during accumulation
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -46,6 +53,9 @@ class ZeroConfig:
         _check_positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
         _check_bool("broadcast_buffers", self.broadcast_buffers)
         _check_bool("find_unused_parameters", self.find_unused_parameters)
+        _check_bool("accumulate_unsharded", self.accumulate_unsharded)
+        if self.accumulate_unsharded and self.stage != 2:
+            raise ValueError(f"accumulate_unsharded applies to stage 2 only, got stage={self.stage}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -14,16 +14,28 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import CommLedger, Communicator
-from lightning_zero.config import ZeroConfig, option_names
-from lightning_zero.grad_sync import GradReducer, ZeroModule, broadcast_module_states, wrap_module
+from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_names
+from lightning_zero.grad_sync import (
+    GradReducer,
+    ZeroModule,
+    broadcast_module_states,
+    trainable_parameters,
+    wrap_module,
+)
+from lightning_zero.memory import MemoryReport, measure
+from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping
+from lightning_zero.zero import ShardedParams, param_group_keys
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,7 @@ class ZeroStrategy(DDPStrategy):
         first_bucket_cap_mb: cap of the first bucket in MiB.
         broadcast_buffers: broadcast buffers from rank 0 at each synchronised training forward.
         find_unused_parameters: reduce missing gradients as zeros instead of raising.
+        accumulate_unsharded: stage 2: full local gradients across the accumulation window.
         start_method: how Lightning launches the processes: ``"popen"`` (re-run the script),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -54,6 +67,7 @@ class ZeroStrategy(DDPStrategy):
         first_bucket_cap_mb: float = 1.0,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        accumulate_unsharded: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -75,6 +89,7 @@ class ZeroStrategy(DDPStrategy):
             first_bucket_cap_mb=first_bucket_cap_mb,
             broadcast_buffers=broadcast_buffers,
             find_unused_parameters=find_unused_parameters,
+            accumulate_unsharded=accumulate_unsharded,
         )
         super().__init__(
             accelerator=accelerator,
@@ -90,6 +105,7 @@ class ZeroStrategy(DDPStrategy):
         self._ledger = CommLedger()  # every collective of this strategy, per step
         self._comm: Communicator | None = None  # built once the process group exists
         self._reducer: GradReducer | None = None  # built when fitting starts
+        self._sharded: ShardedParams | None = None  # stages 1-2: flat params and optimizer shards
 
     @property
     def config(self) -> ZeroConfig:
@@ -119,12 +135,33 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._config.stage == 0:
             self.configure_ddp()
             self.setup_optimizers(trainer)
+        elif fitting:
+            # the buckets are split by optimizer param group, so the optimizers come first
+            self.setup_optimizers(trainer)
+            self._setup_sharded()
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self._sharded is not None:
+            install_sharded_clipping(self.precision_plugin, self._clip_grad_norm)
+
+    def _setup_sharded(self) -> None:
+        assert isinstance(self.model, pl.LightningModule)
+        if self.comm.world_size == 1:
+            rank_zero_warn(
+                f"stage {self._config.stage} on a single process shards nothing: it trains as plain training"
+            )
+        named = trainable_parameters(self.model)
+        keys = param_group_keys(self.optimizers, [p for _, p in named], [n for n, _ in named])
+        self.model = wrap_module(self.model, self.comm, self._config, keys=keys)
+        self._reducer = self.model.reducer
+        self._sharded = ShardedParams(self._reducer, self.comm)
+        for index, optimizer in enumerate(self.optimizers):
+            self._sharded.shard_optimizer(optimizer, index)
 
     @override
     def configure_ddp(self) -> None:
@@ -147,6 +184,52 @@ class ZeroStrategy(DDPStrategy):
         with self._reducer.no_sync():
             yield None
 
+    def _optimizer_index(self, optimizer: Optimizer) -> int:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return next(i for i, opt in enumerate(self.optimizers) if opt is inner)
+
+    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        assert self._sharded is not None
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self._sharded.clip_grad_norm_(inner, max_norm)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._sharded is not None:
+            index = self._optimizer_index(optimizer)
+            self._sharded.after_step(self.optimizers[index], index)
+        return output
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Stages 1-2: the consolidated state of the original parameters (a collective: all ranks call it)."""
+        if self._sharded is None:
+            return super().optimizer_state(optimizer)
+        index = self._optimizer_index(optimizer)
+        return self._sharded.full_state_dict(self.optimizers[index], index)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            self._sharded.load_full_state_dict(optimizer, index, state)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
+        assert self.lightning_module is not None
+        grads = self._reducer.grad_tensors() if self._reducer is not None else []
+        return measure(self.lightning_module, grads, self.optimizers)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -158,6 +241,8 @@ class ZeroStrategy(DDPStrategy):
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
+        if self._sharded is not None:
+            remove_sharded_clipping(self.precision_plugin)
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
         super().teardown()
@@ -165,7 +250,7 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (0,):
+        for stage in SUPPORTED_STAGES:
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 name = f"zero{stage}{suffix}"
                 if name in strategy_registry:

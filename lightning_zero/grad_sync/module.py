@@ -47,11 +47,23 @@ class ZeroModule(nn.Module):
             self._comm.broadcast_tensors(buffers, src=0, name=f"{self.reducer.label}/broadcast/buffers")
 
 
-def wrap_module(module: nn.Module, comm: Communicator, config: ZeroConfig) -> ZeroModule:
-    """Hooks and buckets for every trainable parameter of ``module``, and the root wrapper around it."""
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) for each parameter that requires grad, shared ones once, in registration order."""
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to train")
+    return named
+
+
+def wrap_module(
+    module: nn.Module, comm: Communicator, config: ZeroConfig, *, keys: list | None = None
+) -> ZeroModule:
+    """Hooks and buckets for every trainable parameter of ``module``, and the root wrapper around it.
+
+    Args:
+        keys: per trainable parameter, the bucket split key (stages 1-2: its optimizer group).
+    """
+    named = trainable_parameters(module)
     reducer = GradReducer(
         named,
         comm,
@@ -59,6 +71,9 @@ def wrap_module(module: nn.Module, comm: Communicator, config: ZeroConfig) -> Ze
         first_cap_bytes=config.first_bucket_cap_bytes,
         find_unused_parameters=config.find_unused_parameters,
         label=f"zero{config.stage}",
+        stage=config.stage,
+        keys=keys,
+        accumulate_unsharded=config.accumulate_unsharded,
     )
     return ZeroModule(module, reducer, comm, broadcast_buffers=config.broadcast_buffers)
 

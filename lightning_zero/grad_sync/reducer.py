@@ -169,6 +169,12 @@ class GradReducer:
                 bucket.views[k].copy_(grad)
                 self.params[i].grad = bucket.views[k]
 
+    def grad_tensors(self) -> list[Tensor]:
+        """Every tensor that holds gradient storage now (for memory accounting)."""
+        flats = [b.flat for b in self.buckets if b.flat is not None]
+        shards = [p.grad for p in self.shard_params or () if p.grad is not None]
+        return flats + shards + [p.grad for p in self.params if p.grad is not None]
+
     def bucket_specs(self) -> list[BucketSpec]:
         return [b.spec for b in self.buckets]
 
@@ -254,10 +260,31 @@ class GradReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.flat.div_(self.comm.world_size)
-        bucket.handle = self.comm.all_reduce(
-            bucket.flat, name=f"{self.label}/all_reduce/bucket={bucket.index}"
-        )
+        flat = bucket.allocate()
+        flat.div_(self.comm.world_size)
+        if self.stage == 0:
+            bucket.handle = self.comm.all_reduce(flat, name=f"{self.label}/all_reduce/bucket={bucket.index}")
+            return
+        size = flat.numel() // self.comm.world_size
+        # stage 1 reduces in place into its own chunk; stage 2 into a fresh shard (the bucket is freed)
+        own = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
+        bucket.shard_out = own if self.attach_views else torch.empty_like(own)
+        name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
+        bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name)
+
+    def _deliver_shards(self) -> None:
+        """Hand each bucket's reduced shard to its shard parameter; drop the full gradients."""
+        assert self.shard_params is not None, "stages 1-2 need shard parameters before the first backward"
+        for bucket, shard_param in zip(self.buckets, self.shard_params):
+            out = bucket.shard_out.to(shard_param.dtype)
+            if self.attach_views or shard_param.grad is None:
+                shard_param.grad = out
+            else:
+                shard_param.grad.add_(out)
+            if not self.attach_views:
+                bucket.free()
+        for p in self.params:
+            p.grad = None
 
     def _finalize(self) -> None:
         """End of a synchronised backward: launch what is left, wait for everything, check."""

@@ -1,0 +1,581 @@
+"""The ``lightning-zero`` console command.
+
+    lightning-zero plan --params 7.5B -n 64 --memory 80GB
+    lightning-zero plan --model torch.nn:Transformer -n 8 64 --hardware h100-cluster \\
+        --tokens-per-rank 4096 --bucket-sweep --plot-dir plots
+    lightning-zero plan --params 8B -n 128 512 --global-batch-tokens 4M --seq-len 4096 \\
+        --micro-batch 2 --pow2 --json
+
+Each subcommand is one ``_add_<name>_parser`` function that builds its arguments and one
+``_run_<name>`` function that the dispatcher in :func:`main` calls with the parsed arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from lightning_zero.planning import batch, comm, memory
+from lightning_zero.planning.comm import Hardware
+
+_STAGE_NAMES = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``lightning-zero`` with ``argv`` (default: the command line); returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as err:
+        print(f"lightning-zero {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero", description="ZeRO data parallelism for Lightning."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_parser(subparsers)
+    return parser
+
+
+# --------------------------------------------------------------------------- quantities
+
+
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12, "p": 1e15}
+_PREFIXES |= {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_NUMBER = re.compile(r"^\s*(\d*\.?\d+(?:[eE][+-]?\d+)?)\s*([a-zA-Zµ]*)\s*$")
+
+
+def _quantity(unit: str = "") -> Callable[[str], float]:
+    """argparse type: a number with an optional K/M/G/B/T/Ki/Mi/Gi suffix, then ``unit``."""
+
+    def parse(text: str) -> float:
+        body = text.strip()
+        if unit and body.lower().endswith(unit.lower()) and len(body) > len(unit):
+            body = body[: -len(unit)]
+        match = _NUMBER.match(body)
+        if not match or match.group(2).lower() not in _PREFIXES:
+            raise argparse.ArgumentTypeError(
+                f"cannot read {text!r}; expected e.g. 7.5e9, 7.5B, 80GB, 400GB/s"
+            )
+        return float(match.group(1)) * _PREFIXES[match.group(2).lower()]
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a time such as 16us, 0.5ms or 1.6e-5 (seconds)."""
+    match = _NUMBER.match(text)
+    if not match or match.group(2).lower() not in _SECONDS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a time; expected e.g. 16us, 0.5ms, 1.6e-5")
+    return float(match.group(1)) * _SECONDS[match.group(2).lower()]
+
+
+def _caps(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated bucket caps in MiB."""
+    try:
+        caps = tuple(float(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r}; expected MiB values like 1,5,25,100"
+        ) from None
+    if not caps or min(caps) <= 0:
+        raise argparse.ArgumentTypeError(f"bucket caps must be > 0 MiB, got {text!r}")
+    return caps
+
+
+# --------------------------------------------------------------------------- plan: arguments
+
+
+def _add_plan_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="memory, traffic, compute/communication threshold, bucket size and batch plan",
+        description="Plan a ZeRO run without a process group. See docs/planning.md.",
+    )
+    p.set_defaults(run=_run_plan)
+    model = p.add_argument_group("model")
+    model.add_argument("--params", type=_quantity(), help="Ψ, trainable parameters: 7.5e9 or 7.5B")
+    model.add_argument(
+        "--model", help="package.module:Class to instantiate (no arguments) for Ψ and layer sizes"
+    )
+    model.add_argument("--layers", type=int, default=32, help="equal layers to assume without --model (32)")
+    mem = p.add_argument_group("memory")
+    mem.add_argument(
+        "-n", "--world-size", type=int, nargs="+", default=[64], help="data-parallel ranks N (64)"
+    )
+    mem.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd_momentum", "sgd"])
+    mem.add_argument(
+        "--k", type=float, help="optimizer bytes per parameter, fp32 master included (overrides)"
+    )
+    mem.add_argument("--no-master-copy", action="store_true", help="no fp32 master copy (fp32 training)")
+    mem.add_argument("--param-bytes", type=float, default=2, help="bytes per parameter element (2)")
+    mem.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element (2)")
+    mem.add_argument(
+        "--fp32-grad-accum", action="store_true", help="count an fp32 gradient-accumulation buffer"
+    )
+    mem.add_argument(
+        "--memory", type=_quantity("B"), help="device memory: 80GB, 96GiB (default: the preset's)"
+    )
+    _add_hardware_arguments(p)
+    _add_batch_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    out.add_argument("--plot-dir", type=Path, help="write PNG plots (memory.png, buckets.png) here")
+
+
+def _add_hardware_arguments(p: argparse.ArgumentParser) -> None:
+    hw = p.add_argument_group("hardware and communication")
+    hw.add_argument("--hardware", choices=sorted(comm.HARDWARE), help="preset for C, W and device memory")
+    hw.add_argument("--flops", type=_quantity("FLOP/s"), help="C, FLOP/s per rank: 989T or 9.89e14")
+    hw.add_argument("--bandwidth", type=_quantity("B/s"), help="W, bytes/s per rank: 400GB/s or 4e11")
+    hw.add_argument(
+        "--alpha", type=_seconds, default=comm.DEFAULT_ALPHA, help="latency per collective (16us)"
+    )
+    hw.add_argument("--experts", type=int, default=1, help="MoE: experts per layer E (1: dense)")
+    hw.add_argument("--top-k", type=int, default=1, help="MoE: experts per token k")
+    hw.add_argument("--bucket-sweep", action="store_true", help="sweep bucket_cap_mb in the alpha-beta model")
+    hw.add_argument(
+        "--bucket-caps", type=_caps, default=comm.DEFAULT_CAPS_MB, help="caps to sweep, MiB: 1,5,25"
+    )
+    hw.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket, MiB (1)")
+
+
+def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    b = p.add_argument_group("batch")
+    b.add_argument("--global-batch-tokens", type=_quantity(), help="target tokens per optimizer step: 4M")
+    b.add_argument("--global-batch", type=int, help="target samples per optimizer step: 1024")
+    b.add_argument("--seq-len", type=int, help="tokens per sample")
+    b.add_argument("--micro-batch", type=int, help="largest micro-batch that fits one rank")
+    b.add_argument("--pow2", action="store_true", help="round the global batch in samples to a power of two")
+    b.add_argument(
+        "--tokens-per-rank", type=_quantity(), help="tokens per rank per micro-batch (for buckets)"
+    )
+
+
+# --------------------------------------------------------------------------- plan: inputs
+
+
+class PlanInputs(NamedTuple):
+    model: str | None  # class name of --model, None for --params
+    psi: float  # Ψ, trainable parameters
+    layers: tuple[int, ...]  # parameters per layer, backward order
+    world_sizes: tuple[int, ...]  # N values to plan for
+    memory_options: dict[str, Any]  # keyword arguments of memory.model_state_memory
+    device_memory: float | None  # bytes per rank
+    hardware: Hardware | None  # preset, if given
+    flops: float | None  # C, FLOP/s per rank
+    bandwidth: float | None  # W given on the command line (else from the preset per N)
+    alpha: float  # s per collective
+    experts: int  # MoE E
+    top_k: int  # MoE k
+
+
+def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    model, psi, layers = _model_sizes(args)
+    if min(args.world_size) < 1:
+        raise ValueError(f"world sizes must be >= 1, got {args.world_size}")
+    k = (
+        args.k
+        if args.k is not None
+        else memory.optimizer_k(args.optimizer, master_copy=not args.no_master_copy)
+    )
+    hw = comm.get_hardware(args.hardware) if args.hardware else None
+    return PlanInputs(
+        model=model,
+        psi=psi,
+        layers=layers,
+        world_sizes=tuple(dict.fromkeys(args.world_size)),
+        memory_options=dict(
+            k=k,
+            param_bytes=args.param_bytes,
+            grad_bytes=args.grad_bytes,
+            fp32_grad_accum=args.fp32_grad_accum,
+        ),
+        device_memory=args.memory or (hw.memory if hw else None),
+        hardware=hw,
+        flops=args.flops or (hw.flops if hw else None),
+        bandwidth=args.bandwidth,
+        alpha=args.alpha,
+        experts=args.experts,
+        top_k=args.top_k,
+    )
+
+
+def _model_sizes(args: argparse.Namespace) -> tuple[str | None, float, tuple[int, ...]]:
+    if args.model:
+        from lightning_zero.planning.model import load_model, summarize_model
+
+        try:
+            summary = summarize_model(load_model(args.model))
+        except TypeError as err:
+            raise ValueError(str(err)) from err
+        if summary.psi == 0:
+            raise ValueError(f"model {args.model!r} has no trainable parameters")
+        return summary.name, float(summary.psi), tuple(layer.numel for layer in summary.layers)
+    if args.params is None:
+        raise ValueError("give the model size: --params 7.5B or --model package.module:Class")
+    return None, args.params, comm.uniform_layers(args.params, args.layers)
+
+
+def _bandwidth(inp: PlanInputs, world_size: int | None) -> float | None:
+    if inp.bandwidth is not None:
+        return inp.bandwidth
+    return comm.bus_bandwidth(inp.hardware, world_size=world_size) if inp.hardware else None
+
+
+# --------------------------------------------------------------------------- plan: sections
+
+
+class Section(NamedTuple):
+    key: str  # JSON key
+    title: str  # table title
+    headers: tuple[str, ...]  # column headers
+    rows: list[tuple[str, ...]]  # formatted cells
+    data: Any  # the same content for --json, SI units (bytes, seconds)
+    notes: tuple[str, ...] = ()  # lines printed under the table
+
+
+def _memory_section(inp: PlanInputs) -> Section:
+    rows, data = [], []
+    for n in inp.world_sizes:
+        estimates = memory.memory_by_stage(inp.psi, n, **inp.memory_options)
+        fit = [m.stage for m in estimates if inp.device_memory and m.total <= inp.device_memory]
+        fits = ", ".join(_STAGE_NAMES[s].split(" ")[0] for s in fit) or "none"
+        rows.append((str(n), *(_gb(m.total) for m in estimates), fits if inp.device_memory else "-"))
+        data.extend({**m._asdict(), "fits": m.stage in fit if inp.device_memory else None} for m in estimates)
+    mem = f"{inp.device_memory / memory.GB:.3g} GB" if inp.device_memory else "(no --memory)"
+    title = f"Model-state memory per rank, GB (Ψ = {_count(inp.psi)}, k = {inp.memory_options['k']:g})"
+    return Section("memory", title, ("N", *_STAGE_NAMES, f"fits {mem}"), rows, data)
+
+
+def _traffic_section(inp: PlanInputs) -> Section:
+    rows, data = [], []
+    for n in inp.world_sizes:
+        bw = _bandwidth(inp, n)
+        for stage in memory.STAGES:
+            t = comm.step_traffic(
+                inp.psi,
+                n,
+                stage,
+                param_bytes=inp.memory_options["param_bytes"],
+                grad_bytes=inp.memory_options["grad_bytes"],
+            )
+            seconds = comm.traffic_time(t, bw, alpha=inp.alpha) if bw else None
+            volumes = (t.all_reduce, t.reduce_scatter, t.all_gather, t.total)
+            rows.append(
+                (str(n), _STAGE_NAMES[stage], *(f"{v / memory.GB:.4g}" for v in volumes), _ms(seconds))
+            )
+            data.append({**t._asdict(), "time_s": seconds, "bandwidth": bw})
+    headers = ("N", "stage", "AllReduce GB", "ReduceScatter GB", "AllGather GB", "total GB", "time ms")
+    note = "bytes one rank sends per step, ring algorithm; time = bytes / W + alpha x collectives, not overlapped"
+    return Section("traffic", "Communication per rank per step", headers, rows, data, (note,))
+
+
+def _threshold_section(inp: PlanInputs) -> Section:
+    rows, data = [], []
+    for n in (None, *inp.world_sizes):
+        bw = _bandwidth(inp, n)
+        t = comm.comm_threshold(inp.flops, bw, world_size=n, experts=inp.experts, top_k=inp.top_k)
+        min_batch = comm.min_global_batch_tokens(t, n) if n else None
+        label = "large N" if n is None else str(n)
+        rows.append(
+            (
+                label,
+                f"{bw / 1e9:.4g}",
+                f"{t.ring_factor:.4g}",
+                f"{t.moe_factor:g}",
+                f"{t.tokens_per_rank:,.0f}",
+                f"{min_batch:,.0f}" if min_batch else "-",
+            )
+        )
+        data.append({**t._asdict(), "world_size": n, "min_global_batch_tokens": min_batch})
+    name = inp.hardware.name if inp.hardware else "given C and W"
+    headers = ("N", "W GB/s", "(N-1)/N", "E/k", "tokens per rank >", "global batch tokens >")
+    note = f"compute-bound when tokens per rank > C/W x (N-1)/N x E/k, C = {inp.flops:.3g} FLOP/s"
+    return Section("threshold", f"Compute/communication threshold ({name})", headers, rows, data, (note,))
+
+
+def _tokens_per_rank(args: argparse.Namespace) -> float:
+    if args.tokens_per_rank:
+        return args.tokens_per_rank
+    if args.micro_batch and args.seq_len:
+        return float(args.micro_batch * args.seq_len)
+    raise ValueError(
+        "--bucket-sweep needs --tokens-per-rank (or --micro-batch with --seq-len) for backward time"
+    )
+
+
+def _bucket_sweep(inp: PlanInputs, args: argparse.Namespace) -> tuple[comm.BucketRecommendation, float]:
+    """The sweep for the first N, and the tokens per rank it assumed."""
+    bw = _bandwidth(inp, inp.world_sizes[0])
+    if bw is None or inp.flops is None:
+        raise ValueError("--bucket-sweep needs --hardware, or --flops and --bandwidth")
+    tokens = _tokens_per_rank(args)
+    times = comm.backward_times_from_flops(inp.layers, tokens_per_rank=tokens, flops=inp.flops)
+    rec = comm.recommend_bucket_cap_mb(
+        inp.layers,
+        times,
+        world_size=inp.world_sizes[0],
+        bandwidth=bw,
+        alpha=inp.alpha,
+        grad_bytes=inp.memory_options["grad_bytes"],
+        first_bucket_cap_mb=args.first_bucket_cap_mb,
+        caps_mb=args.bucket_caps,
+    )
+    return rec, tokens
+
+
+def _bucket_section(inp: PlanInputs, rec: comm.BucketRecommendation, tokens: float) -> Section:
+    rows, sweep = [], []
+    for s in rec.sweep:
+        mark = "<- recommended" if s.bucket_cap_mb == rec.bucket_cap_mb else ""
+        rows.append((f"{s.bucket_cap_mb:g}", str(len(s.buckets)), _ms(s.comm), _ms(s.exposed), mark))
+        sweep.append(
+            {
+                "bucket_cap_mb": s.bucket_cap_mb,
+                "buckets": len(s.buckets),
+                "comm_s": s.comm,
+                "exposed_s": s.exposed,
+            }
+        )
+    backward = rec.sweep[0].backward
+    data = {
+        "world_size": inp.world_sizes[0],
+        "bandwidth": _bandwidth(inp, inp.world_sizes[0]),
+        "alpha": inp.alpha,
+        "tokens_per_rank": tokens,
+        "layers": len(inp.layers),
+        "backward_s": backward,
+        "recommended_bucket_cap_mb": rec.bucket_cap_mb,
+        "exposed_s": rec.exposed,
+        "sweep": sweep,
+    }
+    title = f"Gradient buckets (N = {inp.world_sizes[0]}, {len(inp.layers)} layers)"
+    note = (
+        f"exposed = AllReduce time left after backward ({_ms(backward)} ms at {tokens:,.0f} tokens per rank); "
+        f"alpha {inp.alpha * 1e6:g} us"
+    )
+    return Section("buckets", title, ("cap MiB", "buckets", "comm ms", "exposed ms", ""), rows, data, (note,))
+
+
+def _batch_section(inp: PlanInputs, args: argparse.Namespace) -> Section:
+    rows, data, notes = [], [], []
+    if args.micro_batch is None:
+        raise ValueError("batch planning needs --micro-batch (the largest that fits one rank)")
+    for n in inp.world_sizes:
+        plan = _plan_batch(args, n)
+        rows.append(
+            (
+                str(n),
+                str(plan.global_batch),
+                str(plan.micro_batch),
+                str(plan.grad_acc),
+                f"{plan.global_batch_tokens:,}" if plan.global_batch_tokens else "-",
+            )
+        )
+        data.append(plan._asdict())
+        notes.extend(f"N = {n}: {w}" for w in plan.warnings)
+    return Section(
+        "batch",
+        "Batch plan: gbs = mbs x grad_acc x dp",
+        ("dp", "gbs", "mbs", "grad_acc", "tokens"),
+        rows,
+        data,
+        tuple(notes),
+    )
+
+
+def _plan_batch(args: argparse.Namespace, dp: int) -> batch.BatchPlan:
+    with warnings.catch_warnings():  # the warnings are shown as table notes
+        warnings.simplefilter("ignore", batch.BatchPlanWarning)
+        if args.global_batch is not None:
+            return batch.plan_batch_samples(
+                args.global_batch, max_micro_batch=args.micro_batch, dp=dp, seq_len=args.seq_len
+            )
+        if args.seq_len is None:
+            raise ValueError("--global-batch-tokens needs --seq-len")
+        return batch.plan_batch(
+            args.global_batch_tokens,
+            seq_len=args.seq_len,
+            max_micro_batch=args.micro_batch,
+            dp=dp,
+            round_to_power_of_two=args.pow2,
+        )
+
+
+# --------------------------------------------------------------------------- plan: run
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    inp = _plan_inputs(args)
+    sections = [_memory_section(inp), _traffic_section(inp)]
+    if inp.flops and _bandwidth(inp, None):
+        sections.append(_threshold_section(inp))
+    rec = None
+    if args.bucket_sweep:
+        rec, tokens = _bucket_sweep(inp, args)
+        sections.append(_bucket_section(inp, rec, tokens))
+    if args.global_batch is not None or args.global_batch_tokens is not None:
+        sections.append(_batch_section(inp, args))
+    plots = _write_plots(args.plot_dir, inp, rec) if args.plot_dir else []
+    if args.json:
+        print(json.dumps(_json_report(inp, sections, plots), indent=2))
+    else:
+        _print_sections(inp, sections, plots)
+    return 0
+
+
+def _json_report(inp: PlanInputs, sections: list[Section], plots: list[Path]) -> dict[str, Any]:
+    inputs = {
+        "model": inp.model,
+        "psi": inp.psi,
+        "layers": len(inp.layers),
+        "world_sizes": list(inp.world_sizes),
+        **inp.memory_options,
+        "device_memory": inp.device_memory,
+        "hardware": inp.hardware._asdict() if inp.hardware else None,
+        "flops": inp.flops,
+        "bandwidth": inp.bandwidth,
+        "alpha": inp.alpha,
+        "experts": inp.experts,
+        "top_k": inp.top_k,
+    }
+    return {"inputs": inputs, **{s.key: s.data for s in sections}, "plots": [str(p) for p in plots]}
+
+
+def _print_sections(inp: PlanInputs, sections: list[Section], plots: list[Path]) -> None:
+    header = f"{inp.model + ': ' if inp.model else ''}Ψ = {_count(inp.psi)} trainable parameters"
+    try:
+        from rich.console import Console
+    except ImportError:  # rich is an optional extra: plain text then
+        print(header)
+        for section in sections:
+            _print_plain(section)
+    else:
+        console = Console() if sys.stdout.isatty() else Console(width=130)
+        console.print(header, highlight=False)
+        for section in sections:
+            console.print(_rich_table(section))
+            for note in section.notes:
+                console.print(f"  {note}", highlight=False, markup=False)
+    for path in plots:
+        print(f"wrote {path}")
+
+
+def _rich_table(section: Section) -> Any:
+    from rich.table import Table
+
+    table = Table(title=section.title, title_justify="left")
+    for i, header in enumerate(section.headers):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in section.rows:
+        table.add_row(*row)
+    return table
+
+
+def _print_plain(section: Section) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in section.rows)) for i, h in enumerate(section.headers)]
+    print(f"\n{section.title}")
+    for row in (section.headers, *section.rows):
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    for note in section.notes:
+        print(f"  {note}")
+
+
+# --------------------------------------------------------------------------- plan: plots
+
+
+def _write_plots(plot_dir: Path, inp: PlanInputs, rec: comm.BucketRecommendation | None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = [_plot_memory(plt, plot_dir / "memory.png", inp)]
+    if rec is not None:
+        paths.append(_plot_buckets(plt, plot_dir / "buckets.png", rec, inp.world_sizes[0]))
+    return paths
+
+
+def _plot_memory(plt: Any, path: Path, inp: PlanInputs) -> Path:
+    top = max(1024, 2 * max(inp.world_sizes))
+    ns = [2**i for i in range(top.bit_length())]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for stage, name in enumerate(_STAGE_NAMES):
+        gb = [
+            memory.model_state_memory(inp.psi, n, stage, **inp.memory_options).total / memory.GB for n in ns
+        ]
+        ax.plot(ns, gb, marker="o", markersize=3, label=name)
+    if inp.device_memory:
+        ax.axhline(inp.device_memory / memory.GB, color="black", linestyle="--", label="device memory")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="data-parallel ranks N",
+        ylabel="model states per rank, GB",
+        title=f"Model-state memory per rank, Ψ = {_count(inp.psi)}",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _plot_buckets(plt: Any, path: Path, rec: comm.BucketRecommendation, n: int) -> Path:
+    caps = [s.bucket_cap_mb for s in rec.sweep]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(caps, [s.exposed * 1e3 for s in rec.sweep], marker="o", label="exposed after backward")
+    ax.plot(caps, [s.comm * 1e3 for s in rec.sweep], linestyle=":", label="total AllReduce time")
+    ax.axvline(
+        rec.bucket_cap_mb, color="green", linestyle="--", label=f"recommended {rec.bucket_cap_mb:g} MiB"
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="bucket_cap_mb, MiB",
+        ylabel="ms",
+        title=f"Gradient AllReduce exposed after backward (N = {n})",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _count(value: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g}{suffix}"
+    return f"{value:g}"
+
+
+def _gb(nbytes: float) -> str:
+    gb = nbytes / memory.GB
+    return f"{gb:,.0f}" if gb >= 100 else f"{gb:.3g}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.4g}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

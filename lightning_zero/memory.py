@@ -1,0 +1,51 @@
+"""Model-state memory per rank, counted from the tensors themselves.
+
+Each category counts the bytes of the distinct storages behind its tensors, so a view (a
+parameter pointing into a flat bucket, a shard parameter aliasing its chunk) is counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+
+class MemoryReport(NamedTuple):
+    parameters: int  # bytes of parameter storage (flat buckets in stages 1-2)
+    gradients: int  # bytes of gradient storage (buckets, shard gradients)
+    optimizer_states: int  # bytes of optimizer state tensors (moments, master copies)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+
+def storage_bytes(tensors: Iterable[Tensor], *, exclude: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (storages in ``exclude`` skipped)."""
+    seen = set(exclude or ())
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def measure(
+    module: nn.Module, grad_tensors: Iterable[Tensor], optimizers: Iterable[Optimizer]
+) -> MemoryReport:
+    """Parameters of ``module``, the given gradient tensors and the optimizers' state tensors."""
+    params = [p for p in module.parameters()]
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    states = [
+        v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)
+    ]
+    return MemoryReport(
+        parameters=storage_bytes(params),
+        gradients=storage_bytes([g for g in grad_tensors if g is not None]),
+        optimizer_states=storage_bytes(states, exclude=param_ptrs),
+    )

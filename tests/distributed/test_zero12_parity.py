@@ -1,0 +1,186 @@
+"""zero1 and zero2 against zero0: parameters after K steps, collectives, memory, optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lightning_zero.comm import Communicator
+from lightning_zero.config import ZeroConfig
+from lightning_zero.grad_sync import broadcast_module_states, trainable_parameters, wrap_module
+from lightning_zero.memory import measure
+from lightning_zero.zero import ShardedParams, ShardingError, param_group_keys
+from tests.distributed import models
+from tests.distributed.harness import run_ranks
+
+TOL = 1e-6
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
+    model = models.build(seed=100 + rank, **sc.get("model", {}))
+    comm = Communicator()
+    broadcast_module_states(model, comm, label="t")
+    opt = _optimizer(sc["optimizer"], model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    extra = sc.get("config", {}) if stage == 2 else {}  # stage-2 options
+    cfg = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **extra)
+    named = trainable_parameters(model)
+    keys = param_group_keys([opt], [p for _, p in named], [n for n, _ in named]) if stage else None
+    wrapped = wrap_module(model, comm, cfg, keys=keys)
+    sharded = None
+    if stage:
+        sharded = ShardedParams(wrapped.reducer, comm)
+        sharded.shard_optimizer(opt, 0)
+    batches = models.global_batches(sc["micro_batches"], world)
+    syncs = models.sync_points(len(batches), sc["accumulate"])
+    step, blocked, memory = 0, 0, None
+    for batch, sync in zip(batches, syncs):
+        comm.ledger.begin_step(step)
+        before = len(comm.ledger.records)
+        with contextlib.nullcontext() if sync else wrapped.reducer.no_sync():
+            (wrapped(*models.rank_slice(batch, rank)) / sc["accumulate"]).backward()
+        if not sync:
+            blocked += len(comm.ledger.records) - before
+            continue
+        if sc.get("clip"):
+            if sharded:
+                sharded.clip_grad_norm_(opt, sc["clip"])
+            else:
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], sc["clip"])
+        memory_before_step = measure(model, wrapped.reducer.grad_tensors(), [opt])
+        opt.step()
+        if sharded:
+            sharded.after_step(opt, 0)
+        memory = measure(model, wrapped.reducer.grad_tensors(), [opt])._replace(gradients=memory_before_step.gradients)
+        opt.zero_grad()
+        sched.step()
+        step += 1
+    full_state = sharded.full_state_dict(opt, 0) if sharded else opt.state_dict()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ledger": list(comm.ledger.records),
+        "blocked": blocked,
+        "memory": memory,
+        "state": full_state,
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+
+
+def _all_stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
+    return {stage: _train(rank, world, stage, sc) for stage in stages}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _state_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    assert a["state"].keys() == b["state"].keys()
+    for idx, entry in a["state"].items():
+        for key, value in entry.items():
+            worst = max(worst, (value.float() - b["state"][idx][key].float()).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_stages_match_zero0(tmp_path, optimizer):
+    sc = {"optimizer": optimizer, "accumulate": 1, "micro_batches": 3}
+    for r in run_ranks(_all_stages, 2, tmp_path, (0, 1, 2), sc):
+        for stage in (1, 2):
+            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+            assert _state_diff(r[stage]["state"], r[0]["state"]) <= TOL
+            assert r[stage]["lr"] == r[0]["lr"]  # the scheduler reached the sharded step
+
+
+def test_accumulation_and_norm_clipping_four_ranks(tmp_path):
+    sc = {"optimizer": "adamw", "accumulate": 3, "micro_batches": 7, "clip": 0.05}
+    results = run_ranks(_all_stages, 4, tmp_path, (0, 1, 2), sc)
+    for r in results:
+        for stage in (1, 2):
+            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+    zero1 = results[0][1]
+    assert zero1["blocked"] == 0  # zero1 keeps no_sync: nothing inside the window
+    assert results[0][2]["blocked"] > 0  # zero2 reduce-scatters every micro-batch by default
+
+
+def test_zero2_accumulate_unsharded_uses_no_sync(tmp_path):
+    sc = {"optimizer": "adamw", "accumulate": 2, "micro_batches": 4, "config": {"accumulate_unsharded": True}}
+    r = run_ranks(_all_stages, 2, tmp_path, (0, 2), sc)[0]
+    assert r[2]["blocked"] == 0
+    assert _max_diff(r[2]["params"], r[0]["params"]) <= TOL
+
+
+def test_traffic_equals_zero0(tmp_path):
+    sc = {"optimizer": "adam", "accumulate": 1, "micro_batches": 2}
+    r = run_ranks(_all_stages, 2, tmp_path, (0, 1, 2), sc)[0]
+    step = 1  # a steady-state step
+
+    def total(records, op):
+        return sum(x.payload_bytes for x in records if x.step == step and x.op == op and "/bucket=" in x.name)
+
+    zero0 = total(r[0]["ledger"], "all_reduce")
+    grad_bytes = sum(p.numel() * 4 for p in models.build(0).parameters())
+    assert zero0 == grad_bytes
+    for stage in (1, 2):
+        rs, ag = total(r[stage]["ledger"], "reduce_scatter"), total(r[stage]["ledger"], "all_gather")
+        wire = sum(x.wire_bytes for x in r[stage]["ledger"] if x.step == step and "/bucket=" in x.name)
+        zero0_wire = sum(x.wire_bytes for x in r[0]["ledger"] if x.step == step and "/bucket=" in x.name)
+        # padding to a multiple of N adds at most N-1 elements per bucket
+        buckets = sum(1 for x in r[stage]["ledger"] if x.step == step and x.op == "reduce_scatter")
+        assert grad_bytes <= rs == ag <= grad_bytes + 4 * (2 - 1) * buckets
+        assert wire == pytest.approx(zero0_wire, rel=0.01)
+
+
+def _memory(rank: int, world: int, sc: dict) -> dict:
+    return {stage: _train(rank, world, stage, sc)["memory"] for stage in (0, 1, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_memory_per_rank(tmp_path, world):
+    sc = {"optimizer": "adam", "accumulate": 1, "micro_batches": 2}
+    psi = sum(p.numel() for p in models.build(0).parameters())
+    mem = run_ranks(_memory, world, tmp_path, sc)[0]
+    pad = 4 * world * 40  # at most N-1 padding elements per bucket, < 40 buckets
+    # fp32 params, fp32 grads, Adam: two moments (+ 0-dim steps, 4 bytes per bucket or parameter)
+    assert mem[0].parameters == 4 * psi
+    assert mem[0].gradients == 4 * psi
+    assert 8 * psi <= mem[0].optimizer_states <= 8 * psi + 4 * 40
+    for stage in (1, 2):
+        assert 4 * psi <= mem[stage].parameters <= 4 * psi + pad
+        assert 8 * psi / world <= mem[stage].optimizer_states <= 8 * psi / world + pad + 4 * 40
+    assert 4 * psi <= mem[1].gradients <= 4 * psi + pad
+    assert 4 * psi / world <= mem[2].gradients <= 4 * psi / world + pad
+
+
+def _bad_optimizer(rank: int, world: int, kind: str) -> str:
+    model = models.build(0)
+    comm = Communicator()
+    named = trainable_parameters(model)
+    try:
+        if kind == "lbfgs":
+            opt = torch.optim.LBFGS(model.parameters())
+            param_group_keys([opt], [p for _, p in named], [n for n, _ in named])
+        return ""
+    except ShardingError as err:
+        return str(err)
+    finally:
+        del comm
+
+
+def test_lbfgs_is_refused_with_a_clear_error(tmp_path):
+    message = run_ranks(_bad_optimizer, 2, tmp_path, "lbfgs")[0]
+    assert "LBFGS cannot be sharded" in message and "zero0" in message
