@@ -6,80 +6,14 @@ import os
 
 import pytest
 import torch
-import torchmetrics
-from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
-from tests.distributed import models
+from tests.integration.lit import LitTiny, SaveRankParams, TokenData
 
 TOL = 1e-6
-
-
-class TokenData(Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, models.VOCAB, (n, models.SEQ + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
-
-
-class LitTiny(LightningModule):
-    def __init__(self, manual: bool = False) -> None:
-        super().__init__()
-        self.net = models.build(seed=7)
-        self.val_metric = torchmetrics.MeanMetric()
-        self.automatic_optimization = not manual
-
-    def training_step(self, batch, batch_idx):
-        if not self.automatic_optimization:
-            return self._manual_step(batch, batch_idx)
-        loss = self.net(*batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def _manual_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        sync = (batch_idx + 1) % 2 == 0
-        ledger = getattr(self.trainer.strategy, "ledger", None)
-        before = len(ledger.records) if ledger is not None else 0
-        with opt.toggle_model(sync_grad=sync):
-            self.manual_backward(self.net(*batch) / 2)
-        if ledger is not None and not sync:
-            assert len(ledger.records) == before, "a collective ran inside toggle_model(sync_grad=False)"
-        if sync:
-            opt.step()
-            opt.zero_grad()
-
-    def validation_step(self, batch, batch_idx):
-        loss = self.net(*batch)
-        self.val_metric.update(loss)
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_metric", self.val_metric)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-    def train_dataloader(self):
-        return DataLoader(TokenData(28, seed=1), batch_size=2)  # 7 batches per rank
-
-    def val_dataloader(self):
-        return DataLoader(TokenData(8, seed=2), batch_size=2)
-
-
-class SaveRankParams(Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
-        params["global_step"] = torch.tensor(float(trainer.global_step))
-        torch.save(params, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 def _fit(strategy, out_dir, *, manual=False, accumulate=4):

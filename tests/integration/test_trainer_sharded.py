@@ -1,0 +1,93 @@
+"""zero1/zero2 through the Trainer: parity with zero0, full checkpoints, resume, single-process load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_zero  # noqa: F401  (registers the strategy names)
+from tests.integration.lit import LitTiny, SaveRankParams
+
+TOL = 1e-6
+
+
+def _fit(strategy: str, out_dir, *, max_epochs: int, ckpt_path=None, checkpoint=False):
+    os.makedirs(out_dir, exist_ok=True)
+    callbacks = [SaveRankParams(str(out_dir))]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=str(out_dir / "ckpt"), save_last=True, save_top_k=-1))
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+        gradient_clip_algorithm="norm",
+        logger=False,
+        enable_checkpointing=checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=str(out_dir),
+    )
+    trainer.fit(LitTiny(groups=True), ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+def _max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _state_diff(a: dict, b: dict) -> float:
+    assert a["state"].keys() == b["state"].keys()
+    return max(
+        (v.float() - b["state"][i][k].float()).abs().max().item()
+        for i, e in a["state"].items()
+        for k, v in e.items()
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parity_checkpoint_and_single_process_load(tmp_path, stage):
+    zero0 = _fit("zero0_spawn", tmp_path / "zero0", max_epochs=2, checkpoint=True)
+    sharded = _fit(f"zero{stage}_spawn", tmp_path / "sharded", max_epochs=2, checkpoint=True)
+    assert _max_diff(sharded[0], sharded[1]) == 0.0
+    assert _max_diff(sharded[0], zero0[0]) <= TOL
+    # the checkpoint holds the full model and the consolidated optimizer state under the usual keys
+    ckpt = torch.load(tmp_path / "sharded" / "ckpt" / "last.ckpt", weights_only=False)
+    ref = torch.load(tmp_path / "zero0" / "ckpt" / "last.ckpt", weights_only=False)
+    assert _state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
+    assert ckpt["optimizer_states"][0]["param_groups"] == ref["optimizer_states"][0]["param_groups"]
+    assert ckpt["lr_schedulers"] == ref["lr_schedulers"]
+    # a plain single process loads it, weights and optimizer alike
+    model = LitTiny.load_from_checkpoint(tmp_path / "sharded" / "ckpt" / "last.ckpt")
+    assert (
+        _max_diff(
+            {n: p for n, p in model.named_parameters()},
+            {k: v for k, v in sharded[0].items() if k != "global_step"},
+        )
+        <= TOL
+    )
+    optimizer = model.configure_optimizers()["optimizer"]
+    optimizer.load_state_dict(ckpt["optimizer_states"][0])
+    first = next(iter(optimizer.state.values()))
+    assert set(first) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_resume_continues_exactly(tmp_path, stage):
+    full = _fit(f"zero{stage}_spawn", tmp_path / "full", max_epochs=3)
+    _fit(f"zero{stage}_spawn", tmp_path / "first", max_epochs=1, checkpoint=True)
+    resumed = _fit(
+        f"zero{stage}_spawn",
+        tmp_path / "resumed",
+        max_epochs=3,
+        ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt",
+    )
+    assert resumed[0]["global_step"].item() == full[0]["global_step"].item()
+    assert _max_diff(resumed[0], full[0]) <= TOL
