@@ -10,6 +10,8 @@ and nothing is recorded: one process has nobody to talk to.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +47,22 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@functools.cache
+def _destroy_at_exit() -> None:
+    """Tear the process group down before the interpreter exits.
+
+    A gloo group left alive at exit can abort the process ("terminate called without an active
+    exception") while its worker threads are destroyed; Lightning only registers this clean-up for
+    NCCL. Registered once, by the first Communicator.
+    """
+
+    def destroy() -> None:
+        if is_distributed():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+
+
 class Communicator:
     """Collectives over one process group, recorded in a :class:`CommLedger`.
 
@@ -58,6 +76,8 @@ class Communicator:
         self.ledger = ledger if ledger is not None else CommLedger()  # record of every collective
         self.world_size = dist.get_world_size(group) if is_distributed() else 1  # N
         self.rank = dist.get_rank(group) if is_distributed() else 0  # this rank within the group
+        if is_distributed():
+            _destroy_at_exit()
 
     @property
     def active(self) -> bool:

@@ -126,7 +126,7 @@ class GradReducer:
         self.pad_to = comm.world_size if stage >= 1 else 1  # buckets divisible into N shards
         self.attach_views = stage <= 1  # gradients live in bucket storage between backwards
         self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
-        self.shard_params: list[Parameter] | None = None  # bucket -> shard parameter (stages 1-2)
+        self.shard_params: list[Parameter | None] | None = None  # bucket -> shard parameter (stages 1-2)
         self.sync_enabled = True  # False inside no_sync()
         self.buckets: list[Bucket] = []  # in launch order
         self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
@@ -276,13 +276,15 @@ class GradReducer:
         """Hand each bucket's reduced shard to its shard parameter; drop the full gradients."""
         assert self.shard_params is not None, "stages 1-2 need shard parameters before the first backward"
         for bucket, shard_param in zip(self.buckets, self.shard_params):
+            if not self.attach_views:
+                bucket.free()
+            if shard_param is None:  # parameters no optimizer updates
+                continue
             out = bucket.shard_out.to(shard_param.dtype)
             if self.attach_views or shard_param.grad is None:
                 shard_param.grad = out
             else:
                 shard_param.grad.add_(out)
-            if not self.attach_views:
-                bucket.free()
         for p in self.params:
             p.grad = None
 

@@ -30,6 +30,12 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.grad_sync import GradReducer
+from lightning_zero.zero.flat_param import (
+    FlatParameter,
+    clip_grad_norm_,
+    full_optimizer_state,
+    load_full_optimizer_state,
+)
 
 UNSHARDABLE = (torch.optim.LBFGS,)  # step re-evaluates closures over whole parameters
 
@@ -64,7 +70,7 @@ def _refuse_unshardable(optimizer: Optimizer) -> None:
 
 
 class ShardedParams:
-    """Flat parameter buckets, this rank's shard parameters, and the in-place optimizer wrapping.
+    """Stages 1-2: flat parameter buckets, this rank's shards, and the in-place optimizer wrapping.
 
     Args:
         reducer: the gradient reducer; its buckets define the layout (see [Note: shard layout]).
@@ -74,157 +80,93 @@ class ShardedParams:
     def __init__(self, reducer: GradReducer, comm: Communicator) -> None:
         self.reducer = reducer
         self.comm = comm
+        self.label = reducer.label  # prefix of the collectives' names
         self.flats: list[Tensor] = []  # per bucket: 1D, padded to a multiple of N; owns the params
-        self.shard_params: list[Parameter] = []  # per bucket: alias of chunk `rank` of self.flats[b]
+        self.spaces: list[FlatParameter] = []  # per bucket: layout, shard and sub-shard
         self.original_groups: dict[int, list[list[Parameter]]] = {}  # optimizer -> groups' params
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
-        self.keys = [reducer.keys[b.spec.params[0]] for b in reducer.buckets]  # bucket -> (optimizer, group)
         self._layout()
 
     def _layout(self) -> None:
-        rank, world = self.comm.rank, self.comm.world_size
-        for bucket in self.reducer.buckets:
-            spec = bucket.spec
-            flat = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+        for b, bucket in enumerate(self.reducer.buckets):
+            keys = [self.reducer.keys[i] for i in bucket.spec.params]
+            space = FlatParameter(
+                f"bucket={b}",
+                bucket.params,
+                keys,
+                torch.empty(0),
+                world_size=self.comm.world_size,
+                rank=self.comm.rank,
+            )
+            flat = space.full_from_params()
             with torch.no_grad():
-                for p, offset in zip(bucket.params, spec.offsets):
-                    flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                for p, offset in zip(bucket.params, space.offsets):
                     p.data = flat[offset : offset + p.numel()].view_as(p)
-            size = spec.padded_numel // world
+            space.shard = space.own_chunk(flat)
+            space.sub_shards = space._make_sub_shards()
             self.flats.append(flat)
-            self.shard_params.append(Parameter(flat[rank * size : (rank + 1) * size]))
-        self.reducer.shard_params = self.shard_params
+            self.spaces.append(space)
+        self.reducer.shard_params = [next(iter(s.sub_shards.values()), None) for s in self.spaces]
 
     def buckets_of(self, optimizer_index: int) -> list[int]:
-        return [b for b, key in enumerate(self.keys) if key is not None and key[0] == optimizer_index]
+        return [b for b, s in enumerate(self.spaces) if any(k[0] == optimizer_index for k in s.sub_shards)]
 
     def shard_optimizer(self, optimizer: Optimizer, optimizer_index: int) -> None:
         """Replace the groups' parameters by their shard parameters (see [Note: optimizer in place])."""
-        if optimizer.state:
-            raise ShardingError(
-                f"{type(optimizer).__name__} already holds state; shard it before its first step"
-            )
-        self.original_groups[optimizer_index] = [list(g["params"]) for g in optimizer.param_groups]
-        for gi, group in enumerate(optimizer.param_groups):
-            group["params"] = [
-                self.shard_params[b] for b, key in enumerate(self.keys) if key == (optimizer_index, gi)
-            ]
+        self.original_groups[optimizer_index] = shard_optimizer_in_place(
+            optimizer, optimizer_index, self.spaces
+        )
 
     def all_gather_params(self, optimizer_index: int) -> None:
         """Every rank's updated chunk everywhere: one in-place AllGather per bucket, then wait."""
         handles = []
         for b in self.buckets_of(optimizer_index):
-            name = f"{self.reducer.label}/all_gather/params/bucket={b}"
-            handles.append(self.comm.all_gather(self.flats[b], self.shard_params[b].detach(), name=name))
+            name = f"{self.label}/all_gather/params/bucket={b}"
+            handles.append(self.comm.all_gather(self.flats[b], self.spaces[b].shard.detach(), name=name))
         for handle in handles:
             handle.wait()
 
     def after_step(self, optimizer: Optimizer, optimizer_index: int) -> None:
         if optimizer_index not in self._checked:
-            self._check_state_shapes(optimizer)
+            check_state_shapes(optimizer)
             self._checked.add(optimizer_index)
         self.all_gather_params(optimizer_index)
 
-    def _check_state_shapes(self, optimizer: Optimizer) -> None:
-        for shard, state in optimizer.state.items():
-            for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shard.shape:
-                    raise ShardingError(
-                        f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for a "
-                        f"parameter shard of shape {tuple(shard.shape)}; sharded stages need per-element state "
-                        "shaped like the parameter, or scalars. Use stage 0 (strategy='zero0') for this optimizer."
-                    )
-
-    # -- global-norm clipping ------------------------------------------------------------------
-
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Clip the shard gradients by the norm of the whole, unsharded gradient."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        device = self.flats[0].device if self.flats else torch.device("cpu")
-        squares = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            squares += g.detach().float().pow(2).sum()
-        self.comm.all_reduce(squares, name=f"{self.reducer.label}/all_reduce/grad_norm", async_op=False)
-        total = squares.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
-
-    # -- checkpoint form -----------------------------------------------------------------------
+        return clip_grad_norm_(optimizer, max_norm, self.comm, self.label)
 
     def full_state_dict(self, optimizer: Optimizer, optimizer_index: int) -> dict[str, Any]:
         """The optimizer's state for the original parameters, as a single process would have it."""
         groups = self.original_groups[optimizer_index]
-        ids = _original_indices(groups)
-        state: dict[int, dict[str, Any]] = {}
-        for b in self.buckets_of(optimizer_index):
-            shard_state = optimizer.state.get(self.shard_params[b], {})
-            for key in sorted(shard_state):
-                self._unshard_state_value(b, key, shard_state[key], ids, state)
-        param_groups = []
-        for group, params in zip(optimizer.param_groups, groups):
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = [ids[id(p)] for p in params]
-            param_groups.append(saved)
-        return {"state": dict(sorted(state.items())), "param_groups": param_groups}
-
-    def _unshard_state_value(self, b: int, key: str, value: Any, ids: dict, state: dict) -> None:
-        bucket = self.reducer.buckets[b]
-        if isinstance(value, Tensor) and value.dim() > 0:
-            full = torch.empty(bucket.spec.padded_numel, dtype=value.dtype, device=value.device)
-            self.comm.all_gather(
-                full,
-                value.contiguous(),
-                name=f"{self.reducer.label}/all_gather/optimizer_state",
-                async_op=False,
-            )
-        for p, offset in zip(bucket.params, bucket.spec.offsets):
-            entry = state.setdefault(ids[id(p)], {})
-            if isinstance(value, Tensor) and value.dim() > 0:
-                entry[key] = full[offset : offset + p.numel()].view_as(p).clone()
-            else:
-                entry[key] = value.clone() if isinstance(value, Tensor) else value
+        return full_optimizer_state(optimizer, optimizer_index, self.spaces, groups, self.comm, self.label)
 
     def load_full_state_dict(self, optimizer: Optimizer, optimizer_index: int, saved: dict[str, Any]) -> None:
         """Load a single-process optimizer state (original parameters) into this rank's shards."""
-        groups = self.original_groups[optimizer_index]
-        if len(saved["param_groups"]) != len(groups):
-            raise ShardingError(
-                f"checkpoint has {len(saved['param_groups'])} param groups for {type(optimizer).__name__}, "
-                f"the optimizer has {len(groups)}"
-            )
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        ids = _original_indices(groups)
-        saved_state = {int(k): v for k, v in saved["state"].items()}
-        for b in self.buckets_of(optimizer_index):
-            shard_state = self._shard_state_from_full(b, ids, saved_state)
-            if shard_state:
-                optimizer.state[self.shard_params[b]] = shard_state
-
-    def _shard_state_from_full(self, b: int, ids: dict, saved_state: dict) -> dict[str, Any]:
-        bucket = self.reducer.buckets[b]
-        shard = self.shard_params[b]
-        size, rank = shard.numel(), self.comm.rank
-        flats: dict[str, Tensor] = {}  # per-element state, laid out like the bucket
-        scalars: dict[str, Any] = {}  # step counts and other per-parameter scalars
-        for p, offset in zip(bucket.params, bucket.spec.offsets):
-            for key, value in saved_state.get(ids[id(p)], {}).items():
-                if isinstance(value, Tensor) and value.shape == p.shape and key != "step":
-                    numel = bucket.spec.padded_numel
-                    flat = flats.setdefault(key, torch.zeros(numel, dtype=value.dtype, device=shard.device))
-                    flat[offset : offset + p.numel()].copy_(value.reshape(-1))
-                else:
-                    scalars.setdefault(key, value.clone() if isinstance(value, Tensor) else value)
-        sharded = {key: flat[rank * size : (rank + 1) * size].clone() for key, flat in flats.items()}
-        return {**scalars, **sharded}
+        load_full_optimizer_state(
+            optimizer, optimizer_index, self.spaces, self.original_groups[optimizer_index], saved
+        )
 
 
-def _original_indices(groups: list[list[Parameter]]) -> dict[int, int]:
-    """id(param) -> its index in a single-process ``optimizer.state_dict()`` (torch numbers them in group order)."""
-    ids: dict[int, int] = {}
-    for params in groups:
-        for p in params:
-            ids.setdefault(id(p), len(ids))
-    return ids
+def shard_optimizer_in_place(
+    optimizer: Optimizer, optimizer_index: int, spaces: Sequence[FlatParameter]
+) -> list[list[Parameter]]:
+    """Give each param group the sub-shards of its parameters; return the original groups' params."""
+    if optimizer.state:
+        raise ShardingError(f"{type(optimizer).__name__} already holds state; shard it before its first step")
+    original = [list(g["params"]) for g in optimizer.param_groups]
+    for gi, group in enumerate(optimizer.param_groups):
+        key = (optimizer_index, gi)
+        group["params"] = [s.sub_shards[key] for s in spaces if key in s.sub_shards]
+    return original
+
+
+def check_state_shapes(optimizer: Optimizer) -> None:
+    """Sharded stages need per-element state shaped like the (sub-)shard, or scalars."""
+    for shard, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shard.shape:
+                raise ShardingError(
+                    f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for a "
+                    f"parameter shard of shape {tuple(shard.shape)}; sharded stages need per-element state "
+                    "shaped like the parameter, or scalars. Use stage 0 (strategy='zero0') for this optimizer."
+                )

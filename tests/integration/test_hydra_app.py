@@ -15,7 +15,12 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 APP = REPO_ROOT / "examples" / "train.py"
-SHORT = ["trainer.max_steps=10", "trainer.limit_val_batches=2", "data.num_train_samples=1024", "sample_chars=20"]
+SHORT = [
+    "trainer.max_steps=10",
+    "trainer.limit_val_batches=2",
+    "data.num_train_samples=1024",
+    "sample_chars=20",
+]
 VAL_LOSS = re.compile(r"step\s+(\d+)\s+val_loss (\d+\.\d+)")
 FINAL = re.compile(r"final val_loss (\d+\.\d+)")
 
@@ -29,7 +34,9 @@ def run_app(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Comp
 
 
 def explain(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    return (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    )
 
 
 def test_short_run_lowers_the_validation_loss(tmp_path):
@@ -45,7 +52,13 @@ def test_short_run_lowers_the_validation_loss(tmp_path):
 
 
 def test_multirun_sweeps_bucket_cap(tmp_path):
-    args = ["-m", "strategy.bucket_cap_mb=1,25", *SHORT, "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    args = [
+        "-m",
+        "strategy.bucket_cap_mb=1,25",
+        *SHORT,
+        "trainer.max_steps=4",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     result = run_app(args, cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     finals = FINAL.findall(result.stdout)
