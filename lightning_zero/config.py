@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_STAGES = (0, 1, 2)  # stages this build implements
+SUPPORTED_STAGES = (0, 1, 2, 3)  # stages this build implements
 
 
 @dataclass
@@ -21,7 +21,8 @@ class ZeroConfig:
     Args:
         stage: ZeRO stage. 0 = plain data parallel (bucketed AllReduce of gradients); 1 = shard
             the optimizer state (ReduceScatter of gradients, AllGather of updated parameters);
-            2 = shard the gradients too (a bucket's full gradient is freed once reduce-scattered).
+            2 = shard the gradients too (a bucket's full gradient is freed once reduce-scattered);
+            3 = shard the parameters too (one flat parameter per wrap unit, gathered before use).
         bucket_cap_mb: size of a gradient bucket in MiB. Small buckets start communicating early
             but pay the per-collective latency many times; large buckets leave the last bucket's
             communication exposed after backward.
@@ -32,10 +33,21 @@ class ZeroConfig:
         find_unused_parameters: allow parameters that receive no gradient in a synchronised
             backward. Off: such a parameter is an error that names it. On: its slot is reduced as
             zeros and an extra small AllReduce of the per-parameter used-map runs each step.
-        accumulate_unsharded: stage 2 with gradient accumulation: keep full local gradients across
-            the accumulation window and reduce-scatter once at its end (no_sync; traffic of one
-            step, +2Ψ bytes of gradients held), instead of reduce-scattering every micro-batch
-            into the 1/N shard (memory stays 1/N, traffic grows with the window).
+        accumulate_unsharded: stages 2-3 with gradient accumulation: keep full local gradients
+            across the accumulation window and reduce-scatter once at its end (no_sync; traffic of
+            one step, full gradients held), instead of reduce-scattering every micro-batch into
+            the 1/N shard (memory stays 1/N, traffic grows with the window).
+        wrap_policy: stage 3: which modules become units: a class import path
+            (``"examples.gpt.Block"``), a list of them, classes, or a callable
+            ``(module, name) -> bool``. None: the whole model is one unit.
+        min_num_params: stage 3: instead of classes, make every module with at least this many
+            parameters (not already in a nested unit) a unit.
+        prefetch: stage 3: gather the next unit while the current one computes (forward order;
+            reverse order in backward). Overlaps communication, holds one more unit gathered.
+        prefetch_limit: stage 3: how many units ahead may be gathering at once (memory bound).
+        reshard_after_forward: stage 3: free a unit's parameters after its forward and gather
+            them again for backward (3Ψ traffic). False keeps them from forward to backward
+            (2Ψ traffic, the gathered model held through the step).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -43,7 +55,12 @@ class ZeroConfig:
     first_bucket_cap_mb: float = 1.0  # cap of the first bucket (first gradients ready), MiB
     broadcast_buffers: bool = True  # buffers from rank 0 at each synced training forward
     find_unused_parameters: bool = False  # tolerate params without grad (DDP semantics)
-    accumulate_unsharded: bool = False  # stage 2: no_sync with full grads during accumulation
+    accumulate_unsharded: bool = False  # stages 2-3: no_sync with full grads during accumulation
+    wrap_policy: Any = None  # stage 3: unit classes (import paths) or a callable; None: one unit
+    min_num_params: int | None = None  # stage 3: size-based units instead of classes
+    prefetch: bool = True  # stage 3: gather the next unit while one computes
+    prefetch_limit: int = 1  # stage 3: units gathering ahead at most
+    reshard_after_forward: bool = True  # stage 3: free units after forward (3Ψ) or keep (2Ψ)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -54,8 +71,24 @@ class ZeroConfig:
         _check_bool("broadcast_buffers", self.broadcast_buffers)
         _check_bool("find_unused_parameters", self.find_unused_parameters)
         _check_bool("accumulate_unsharded", self.accumulate_unsharded)
-        if self.accumulate_unsharded and self.stage != 2:
-            raise ValueError(f"accumulate_unsharded applies to stage 2 only, got stage={self.stage}")
+        if self.accumulate_unsharded and self.stage < 2:
+            raise ValueError(f"accumulate_unsharded applies to stages 2 and 3, got stage={self.stage}")
+        self._check_stage3()
+
+    def _check_stage3(self) -> None:
+        _check_bool("prefetch", self.prefetch)
+        _check_bool("reshard_after_forward", self.reshard_after_forward)
+        _check_int("prefetch_limit", self.prefetch_limit)
+        if self.prefetch_limit < 1:
+            raise ValueError(f"prefetch_limit must be >= 1, got {self.prefetch_limit}")
+        if self.min_num_params is not None:
+            _check_int("min_num_params", self.min_num_params)
+            if self.min_num_params < 1:
+                raise ValueError(f"min_num_params must be >= 1, got {self.min_num_params}")
+        if self.stage != 3 and (self.wrap_policy is not None or self.min_num_params is not None):
+            raise ValueError(f"wrap_policy and min_num_params apply to stage 3 only, got stage={self.stage}")
+        if self.wrap_policy is not None and self.min_num_params is not None:
+            raise ValueError("give either wrap_policy or min_num_params, not both")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

@@ -36,10 +36,15 @@ def storage_bytes(tensors: Iterable[Tensor], *, exclude: set[int] | None = None)
 
 
 def measure(
-    module: nn.Module, grad_tensors: Iterable[Tensor], optimizers: Iterable[Optimizer]
+    module: nn.Module,
+    grad_tensors: Iterable[Tensor],
+    optimizers: Iterable[Optimizer],
+    *,
+    extra_params: Iterable[Tensor] = (),
 ) -> MemoryReport:
-    """Parameters of ``module``, the given gradient tensors and the optimizers' state tensors."""
-    params = [p for p in module.parameters()]
+    """Parameters of ``module`` (plus ``extra_params``: stage-3 shards and gathered units), the
+    given gradient tensors and the optimizers' state tensors."""
+    params = [p for p in module.parameters()] + list(extra_params)
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     states = [
         v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)

@@ -25,17 +25,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import CommLedger, Communicator
-from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_names
-from lightning_zero.grad_sync import (
-    GradReducer,
-    ZeroModule,
-    broadcast_module_states,
-    trainable_parameters,
-    wrap_module,
-)
+from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
+from lightning_zero.engines import Engine, make_engine
+from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping
-from lightning_zero.zero import ShardedParams, param_group_keys
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +41,22 @@ class ZeroStrategy(DDPStrategy):
     DistributedDataParallel with :class:`~lightning_zero.grad_sync.ZeroModule`.
 
     Args:
-        stage: ZeRO stage (see :class:`~lightning_zero.config.ZeroConfig`).
-        bucket_cap_mb: gradient bucket cap in MiB.
-        first_bucket_cap_mb: cap of the first bucket in MiB.
-        broadcast_buffers: broadcast buffers from rank 0 at each synchronised training forward.
-        find_unused_parameters: reduce missing gradients as zeros instead of raising.
-        accumulate_unsharded: stage 2: full local gradients across the accumulation window.
+        stage: ZeRO stage, 0 to 3.
+        config: a whole :class:`~lightning_zero.config.ZeroConfig` instead of ``stage`` and
+            ``**options``.
         start_method: how Lightning launches the processes: ``"popen"`` (re-run the script),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
+        **options: any other :class:`~lightning_zero.config.ZeroConfig` field (``bucket_cap_mb``,
+            ``wrap_policy``, ...); an unknown name is a ``TypeError`` that lists the known ones.
     """
 
     def __init__(
         self,
         stage: int = 0,
         *,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        broadcast_buffers: bool = True,
-        find_unused_parameters: bool = False,
-        accumulate_unsharded: bool = False,
+        config: ZeroConfig | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -76,21 +65,11 @@ class ZeroStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **unknown: Any,
+        **options: Any,
     ) -> None:
-        if unknown:
-            raise TypeError(
-                f"ZeroStrategy got unknown option(s): {', '.join(sorted(unknown))}; "
-                f"known ZeRO options: {', '.join(option_names())}"
-            )
-        self._config = ZeroConfig(
-            stage=stage,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-            accumulate_unsharded=accumulate_unsharded,
-        )
+        if config is not None and (options or stage != 0):
+            raise TypeError("give either config=ZeroConfig(...) or stage and options, not both")
+        self._config = config if config is not None else ZeroConfig.from_kwargs(stage=stage, **options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -104,8 +83,7 @@ class ZeroStrategy(DDPStrategy):
         self._forward_redirection = _ForwardRedirection()
         self._ledger = CommLedger()  # every collective of this strategy, per step
         self._comm: Communicator | None = None  # built once the process group exists
-        self._reducer: GradReducer | None = None  # built when fitting starts
-        self._sharded: ShardedParams | None = None  # stages 1-2: flat params and optimizer shards
+        self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
 
     @property
     def config(self) -> ZeroConfig:
@@ -117,8 +95,9 @@ class ZeroStrategy(DDPStrategy):
         return self._ledger
 
     @property
-    def reducer(self) -> GradReducer | None:
-        return self._reducer
+    def engine(self) -> Engine | None:
+        """The stage's mechanism (hooks, buckets, shards, units) while fitting."""
+        return self._engine
 
     @property
     def comm(self) -> Communicator:
@@ -130,38 +109,25 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._config.stage == 0:
-            self.configure_ddp()
-            self.setup_optimizers(trainer)
-        elif fitting:
-            # the buckets are split by optimizer param group, so the optimizers come first
-            self.setup_optimizers(trainer)
-            self._setup_sharded()
+        if fitting:
+            self._engine = make_engine(self._config, self.comm)
+            if self._engine.needs_optimizers_first:  # shards follow the optimizer's param groups
+                self.setup_optimizers(trainer)
+                self.configure_ddp()
+            else:
+                self.configure_ddp()
+                self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self._sharded is not None:
+        if self._engine is not None and self._engine.sharded:
             install_sharded_clipping(self.precision_plugin, self._clip_grad_norm)
-
-    def _setup_sharded(self) -> None:
-        assert isinstance(self.model, pl.LightningModule)
-        if self.comm.world_size == 1:
-            rank_zero_warn(
-                f"stage {self._config.stage} on a single process shards nothing: it trains as plain training"
-            )
-        named = trainable_parameters(self.model)
-        keys = param_group_keys(self.optimizers, [p for _, p in named], [n for n, _ in named])
-        self.model = wrap_module(self.model, self.comm, self._config, keys=keys)
-        self._reducer = self.model.reducer
-        self._sharded = ShardedParams(self._reducer, self.comm)
-        for index, optimizer in enumerate(self.optimizers):
-            self._sharded.shard_optimizer(optimizer, index)
 
     @override
     def configure_ddp(self) -> None:
@@ -170,18 +136,21 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: nn.Module) -> ZeroModule:
-        wrapped = wrap_module(model, self.comm, self._config)
-        self._reducer = wrapped.reducer
-        return wrapped
+        assert self._engine is not None
+        if self._engine.sharded and self.comm.world_size == 1:
+            rank_zero_warn(
+                f"stage {self._config.stage} on one process shards nothing: it trains as plain training"
+            )
+        return self._engine.setup(model, self.optimizers if self._engine.needs_optimizers_first else [])
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's accumulation window (and ``toggle_model(sync_grad=False)``): no collective runs."""
-        if self._reducer is None:
+        if self._engine is None:
             yield None
             return
-        with self._reducer.no_sync():
+        with self._engine.no_sync():
             yield None
 
     def _optimizer_index(self, optimizer: Optimizer) -> int:
@@ -189,9 +158,8 @@ class ZeroStrategy(DDPStrategy):
         return next(i for i, opt in enumerate(self.optimizers) if opt is inner)
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        assert self._sharded is not None
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self._sharded.clip_grad_norm_(inner, max_norm)
+        assert self._engine is not None
+        return self._engine.clip_grad_norm_(self.optimizers[self._optimizer_index(optimizer)], max_norm)
 
     @override
     def optimizer_step(
@@ -202,33 +170,43 @@ class ZeroStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._sharded is not None:
+        if self._engine is not None:
             index = self._optimizer_index(optimizer)
-            self._sharded.after_step(self.optimizers[index], index)
+            self._engine.after_step(self.optimizers[index], index)
         return output
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Stages 1-2: the consolidated state of the original parameters (a collective: all ranks call it)."""
-        if self._sharded is None:
+        """The state of the original parameters, consolidated (a collective in stages 1-3: all ranks call it)."""
+        if self._engine is None:
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
-        return self._sharded.full_state_dict(self.optimizers[index], index)
+        return self._engine.optimizer_state(self.optimizers[index], index)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded is None:
+        if self._engine is None:
             super().load_optimizer_state_dict(checkpoint)
             return
         for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            self._sharded.load_full_state_dict(optimizer, index, state)
+            self._engine.load_optimizer_state(optimizer, index, state)
         _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model under its original names (stage 3 gathers it unit by unit: all ranks call it)."""
+        assert self.lightning_module is not None
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        return self._engine.module_state_dict(self.lightning_module)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
         assert self.lightning_module is not None
-        grads = self._reducer.grad_tensors() if self._reducer is not None else []
-        return measure(self.lightning_module, grads, self.optimizers)
+        engine = self._engine
+        grads = engine.grad_tensors() if engine is not None else []
+        extra = engine.param_tensors() if engine is not None else []
+        return measure(self.lightning_module, grads, self.optimizers, extra_params=extra)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -238,11 +216,11 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove_hooks()
-            self._reducer = None
-        if self._sharded is not None:
-            remove_sharded_clipping(self.precision_plugin)
+        if self._engine is not None:
+            self._engine.teardown()
+            if self._engine.sharded:
+                remove_sharded_clipping(self.precision_plugin)
+            self._engine = None
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
         super().teardown()

@@ -1,8 +1,8 @@
-"""ZeroModule: the root wrapper the strategy puts around the LightningModule (stage 0)."""
+"""ZeroModule: the root wrapper the strategy puts around the LightningModule."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -12,39 +12,52 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync.reducer import GradReducer
 
 
-class ZeroModule(nn.Module):
-    """Runs the wrapped module's forward after the per-step preparation of gradient sync.
+class GradSync(Protocol):
+    """What the root wrapper needs of a stage's gradient synchronisation."""
 
-    Lightning calls ``training_step`` through this module's ``forward`` (its forward
-    redirection), so this is where a training step begins.
+    label: str  # prefix of collective names
+    sync_enabled: bool  # False inside no_sync()
+
+    def prepare_forward(self) -> None: ...
+
+    def finish_forward(self, output: Any) -> None: ...
+
+
+class ZeroModule(nn.Module):
+    """Runs the wrapped module's forward between the stage's per-call preparation and wrap-up.
+
+    Lightning calls ``training_step`` (and the evaluation steps) through this module's
+    ``forward`` (its forward redirection), so this is where every step begins.
 
     Args:
         module: the LightningModule.
-        reducer: synchronises its gradients.
+        sync: the stage's gradient synchronisation (a GradReducer, or stage 3's ZeroThree).
         comm: used to broadcast buffers.
         broadcast_buffers: broadcast buffers from rank 0 before each synchronised training forward.
     """
 
     def __init__(
-        self, module: nn.Module, reducer: GradReducer, comm: Communicator, *, broadcast_buffers: bool
+        self, module: nn.Module, sync: GradSync, comm: Communicator, *, broadcast_buffers: bool
     ) -> None:
         super().__init__()
         self.module = module  # the wrapped LightningModule
-        self.reducer = reducer  # gradient buckets and hooks
+        self.sync = sync  # gradient buckets and hooks (stages 0-2) or units (stage 3)
         self._comm = comm  # collectives for the buffer broadcast
         self._broadcast_buffers = broadcast_buffers  # whether buffers follow rank 0 each step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and self.module.training:
-            if self._broadcast_buffers and self.reducer.sync_enabled:
-                self.sync_buffers()
-            self.reducer.prepare_forward()
-        return self.module(*args, **kwargs)
+        training = torch.is_grad_enabled() and self.module.training
+        if training and self._broadcast_buffers and self.sync.sync_enabled:
+            self.sync_buffers()
+        self.sync.prepare_forward()
+        output = self.module(*args, **kwargs)
+        self.sync.finish_forward(output)
+        return output
 
     def sync_buffers(self) -> None:
         buffers = [b for b in self.module.buffers() if b.numel() > 0]
         if buffers:
-            self._comm.broadcast_tensors(buffers, src=0, name=f"{self.reducer.label}/broadcast/buffers")
+            self._comm.broadcast_tensors(buffers, src=0, name=f"{self.sync.label}/broadcast/buffers")
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -202,9 +202,12 @@ class GradReducer:
         finally:
             self.sync_enabled = previous
 
+    def finish_forward(self, output: object) -> None:
+        """Nothing to do after forward: the hooks drive everything from here."""
+
     def prepare_forward(self) -> None:
         """Point every ``.grad`` at its bucket slot (zeroed where the gradient was cleared)."""
-        if not self.attach_views:
+        if not self.attach_views or not torch.is_grad_enabled():  # evaluation: gradients untouched
             return
         for i, p in enumerate(self.params):
             bucket, k = self._slot[i]

@@ -52,6 +52,7 @@ class FlatParameter:
         self.name = name
         self.params = list(params)  # original parameters, layout order
         self.keys = list(keys)  # per parameter: (optimizer, group) or None
+        self.shapes = [p.shape for p in self.params]  # original shapes (stage 3 swaps .data out)
         self.offsets = _offsets(self.params)  # start element of each parameter
         self.numel = sum(p.numel() for p in self.params)  # elements used
         self.padded_numel = -(-self.numel // world_size) * world_size  # multiple of N
@@ -75,9 +76,9 @@ class FlatParameter:
     def key_ranges(self) -> dict[Hashable, tuple[int, int]]:
         """Per key, the [lo, hi) element range of its parameters in the flat space."""
         ranges: dict[Hashable, tuple[int, int]] = {}
-        for key, p, offset in zip(self.keys, self.params, self.offsets):
+        for key, shape, offset in zip(self.keys, self.shapes, self.offsets):
             lo, _ = ranges.get(key, (offset, offset))
-            ranges[key] = (lo, offset + p.numel())
+            ranges[key] = (lo, offset + shape.numel())
         return ranges
 
     def sub_shard_offset(self, key: Hashable) -> int:
@@ -150,12 +151,12 @@ def _unshard_one(optimizer, flat, subs, name, ids, state, comm, label) -> None:
                 chunk[start : start + value.numel()].copy_(value)
         full = torch.empty(flat.padded_numel, dtype=sample.dtype, device=sample.device)
         comm.all_gather(full, chunk, name=f"{label}/all_gather/optimizer_state", async_op=False)
-    for p, key, offset in zip(flat.params, flat.keys, flat.offsets):
+    for p, shape, key, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
         if key not in subs:
             continue
         entry = state.setdefault(ids[id(p)], {})
         if per_element:
-            entry[name] = full[offset : offset + p.numel()].view_as(p).clone()
+            entry[name] = full[offset : offset + shape.numel()].view(shape).clone()
         else:
             value = values[key] if values[key] is not None else sample
             entry[name] = value.clone() if isinstance(value, Tensor) else value
@@ -189,15 +190,15 @@ def load_full_optimizer_state(
 def _sub_shard_state(flat: FlatParameter, key, sub: Tensor, ids: dict, saved_state: dict) -> dict[str, Any]:
     full: dict[str, Tensor] = {}  # per-element state, laid out like the flat space
     scalars: dict[str, Any] = {}  # step counts and other per-parameter scalars
-    for p, k, offset in zip(flat.params, flat.keys, flat.offsets):
+    for p, shape, k, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
         if k != key:
             continue
         for name, value in saved_state.get(ids[id(p)], {}).items():
-            if isinstance(value, Tensor) and value.shape == p.shape and name != "step":
+            if isinstance(value, Tensor) and value.shape == shape and name != "step":
                 buf = full.setdefault(
                     name, torch.zeros(flat.padded_numel, dtype=value.dtype, device=sub.device)
                 )
-                buf[offset : offset + p.numel()].copy_(value.reshape(-1))
+                buf[offset : offset + shape.numel()].copy_(value.reshape(-1))
             else:
                 scalars.setdefault(name, value.clone() if isinstance(value, Tensor) else value)
     start = flat.sub_shard_offset(key)

@@ -65,3 +65,43 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 def sync_points(num_micro: int, accumulate: int) -> list[bool]:
     """Lightning's rule: step every ``accumulate`` micro-batches and at the end of the epoch."""
     return [(i + 1) % accumulate == 0 or i + 1 == num_micro for i in range(num_micro)]
+
+
+class Block(nn.Module):
+    """LayerNorm -> MLP with a residual: a unit for the stage-3 tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyStack(nn.Module):
+    """Embedding -> 3 Blocks -> LayerNorm -> head (optionally tied to the embedding, frozen block)."""
+
+    def __init__(self, *, tied: bool = False, frozen: bool = False, blocks: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        if frozen:
+            self.blocks[0].fc1.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build_stack(seed: int, **kwargs: bool) -> TinyStack:
+    torch.manual_seed(seed)
+    return TinyStack(**kwargs)

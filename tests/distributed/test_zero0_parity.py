@@ -34,8 +34,8 @@ def _train_zero(rank: int, world: int, scenario: dict) -> dict:
     for i, (batch, sync) in enumerate(zip(batches, syncs)):
         comm.ledger.begin_step(step)
         before = len(comm.ledger.records)
-        buckets_before = len(wrapped.reducer.buckets)
-        ctx = contextlib.nullcontext() if sync else wrapped.reducer.no_sync()
+        buckets_before = len(wrapped.sync.buckets)
+        ctx = contextlib.nullcontext() if sync else wrapped.sync.no_sync()
         with ctx:
             loss = wrapped(*models.rank_slice(batch, rank), use_side=_side_flags(rank, i, scenario))
             (loss / scenario["accumulate"]).backward()
@@ -60,7 +60,9 @@ def _train_zero(rank: int, world: int, scenario: dict) -> dict:
 
 def _train_ddp(rank: int, world: int, scenario: dict) -> dict:
     model = models.build(seed=100, **scenario["model"])
-    ddp = DistributedDataParallel(model, find_unused_parameters=scenario["config"].get("find_unused_parameters", False))
+    ddp = DistributedDataParallel(
+        model, find_unused_parameters=scenario["config"].get("find_unused_parameters", False)
+    )
     opt = models.make_optimizer(scenario["optimizer"], [p for p in model.parameters() if p.requires_grad])
     batches = models.global_batches(scenario["micro_batches"], world)
     for i, (batch, sync) in enumerate(zip(batches, models.sync_points(len(batches), scenario["accumulate"]))):

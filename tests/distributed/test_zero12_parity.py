@@ -42,7 +42,7 @@ def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
     wrapped = wrap_module(model, comm, cfg, keys=keys)
     sharded = None
     if stage:
-        sharded = ShardedParams(wrapped.reducer, comm)
+        sharded = ShardedParams(wrapped.sync, comm)
         sharded.shard_optimizer(opt, 0)
     batches = models.global_batches(sc["micro_batches"], world)
     syncs = models.sync_points(len(batches), sc["accumulate"])
@@ -50,7 +50,7 @@ def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
     for batch, sync in zip(batches, syncs):
         comm.ledger.begin_step(step)
         before = len(comm.ledger.records)
-        with contextlib.nullcontext() if sync else wrapped.reducer.no_sync():
+        with contextlib.nullcontext() if sync else wrapped.sync.no_sync():
             (wrapped(*models.rank_slice(batch, rank)) / sc["accumulate"]).backward()
         if not sync:
             blocked += len(comm.ledger.records) - before
@@ -60,11 +60,13 @@ def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
                 sharded.clip_grad_norm_(opt, sc["clip"])
             else:
                 torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], sc["clip"])
-        memory_before_step = measure(model, wrapped.reducer.grad_tensors(), [opt])
+        memory_before_step = measure(model, wrapped.sync.grad_tensors(), [opt])
         opt.step()
         if sharded:
             sharded.after_step(opt, 0)
-        memory = measure(model, wrapped.reducer.grad_tensors(), [opt])._replace(gradients=memory_before_step.gradients)
+        memory = measure(model, wrapped.sync.grad_tensors(), [opt])._replace(
+            gradients=memory_before_step.gradients
+        )
         opt.zero_grad()
         sched.step()
         step += 1

@@ -1,0 +1,185 @@
+"""zero3 against zero0: parameters after K steps, counted gathers and reduce-scatters, memory, errors."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lightning_zero.comm import Communicator
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engines import make_engine
+from lightning_zero.grad_sync import broadcast_module_states
+from lightning_zero.memory import measure
+from tests.distributed import models
+from tests.distributed.harness import run_ranks
+
+TOL = 1e-6
+BLOCK = "tests.distributed.models.Block"
+
+
+def _optimizer(model: torch.nn.Module):
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+
+
+def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
+    model = models.build_stack(seed=100 + rank, **sc.get("model", {}))
+    comm = Communicator()
+    broadcast_module_states(model, comm, label="t")
+    optimizer, scheduler = _optimizer(model)
+    options = sc.get("zero3", {}) if stage == 3 else {}
+    engine = make_engine(
+        ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **options), comm
+    )
+    wrapped = engine.setup(model, [optimizer])
+    batches = models.global_batches(sc["micro_batches"], world)
+    syncs = models.sync_points(len(batches), sc.get("accumulate", 1))
+    step, memory = 0, None
+    for batch, sync in zip(batches, syncs):
+        comm.ledger.begin_step(step)
+        with contextlib.nullcontext() if sync else engine.no_sync():
+            (wrapped(*models.rank_slice(batch, rank)) / sc.get("accumulate", 1)).backward()
+        if not sync:
+            continue
+        if sc.get("clip"):
+            if engine.sharded:
+                engine.clip_grad_norm_(optimizer, sc["clip"])
+            else:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for g in optimizer.param_groups for p in g["params"]], sc["clip"]
+                )
+        grads_held = measure(model, engine.grad_tensors(), []).gradients
+        optimizer.step()
+        engine.after_step(optimizer, 0)
+        optimizer.zero_grad()
+        scheduler.step()
+        memory = measure(model, [], [optimizer], extra_params=engine.param_tensors())._replace(
+            gradients=grads_held
+        )
+        step += 1
+        if sc.get("validate_between"):  # Lightning evaluates under inference_mode, mid-epoch too
+            with torch.inference_mode():
+                wrapped.eval()
+                wrapped(*models.rank_slice(batch, rank))
+                wrapped.train()
+    comm.ledger.begin_step(-1)  # checkpoint-time collectives apart from the training steps
+    state = engine.module_state_dict(model)
+    return {
+        "params": {k: v.clone() for k, v in state.items()},
+        "ledger": list(comm.ledger.records),
+        "memory": memory,
+        "optimizer": engine.optimizer_state(optimizer, 0),
+        "units": [(u.name, u.flat.padded_numel) for u in getattr(engine, "zero3", None).units]
+        if stage == 3
+        else [],
+    }
+
+
+def _stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
+    return {stage: _train(rank, world, stage, sc) for stage in stages}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _state_diff(a: dict, b: dict) -> float:
+    assert a["state"].keys() == b["state"].keys()
+    return max(
+        (v.float() - b["state"][i][k].float()).abs().max().item()
+        for i, e in a["state"].items()
+        for k, v in e.items()
+    )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_with_zero0(tmp_path, world):
+    sc = {
+        "micro_batches": 7,
+        "accumulate": 3,
+        "clip": 0.05,
+        "model": {"tied": True, "frozen": True},
+        "zero3": {"wrap_policy": BLOCK},
+        "validate_between": True,
+    }
+    for r in run_ranks(_stages, world, tmp_path, (0, 3), sc):
+        assert _max_diff(r[3]["params"], r[0]["params"]) <= TOL
+        assert _state_diff(r[3]["optimizer"], r[0]["optimizer"]) <= TOL
+        assert r[3]["optimizer"]["param_groups"] == r[0]["optimizer"]["param_groups"]
+
+
+def _ops(result: dict, step: int, op: str) -> list:
+    return [r for r in result["ledger"] if r.step == step and r.op == op and "/unit=" in r.name]
+
+
+@pytest.mark.parametrize(("reshard", "gathers"), [(True, lambda L: 2 * L - 1), (False, lambda L: L)])
+def test_counted_gathers_and_bytes(tmp_path, reshard, gathers):
+    sc = {"micro_batches": 3, "zero3": {"wrap_policy": BLOCK, "reshard_after_forward": reshard}}
+    r = run_ranks(_stages, 2, tmp_path, (3,), sc)[0][3]
+    units = dict(r["units"])
+    L = len(units)
+    assert L == 4  # root (embedding, final norm, head) + 3 blocks
+    for step in (0, 1, 2):
+        ag, rs = _ops(r, step, "all_gather"), _ops(r, step, "reduce_scatter")
+        assert len(ag) == gathers(L) and len(rs) == L
+        assert sorted(x.name.split("unit=")[1] for x in rs) == sorted(units)
+        # bytes: every unit gathered for forward, all but the kept one again for backward, each reduced once
+        regathered = sum(units.values()) - units["root"] if reshard else 0
+        expected = 4 * (sum(units.values()) + regathered + sum(units.values()))
+        assert sum(x.payload_bytes for x in ag + rs) == expected
+        assert sum(x.wire_bytes for x in ag + rs) == pytest.approx(expected * (2 - 1) / 2)
+    psi = sum(p.numel() for p in models.build_stack(0).parameters())
+    assert psi <= sum(units.values()) <= psi + L * (2 - 1)  # padding: < N elements per unit
+
+
+def test_whole_model_is_one_unit(tmp_path):
+    r = run_ranks(_stages, 2, tmp_path, (3,), {"micro_batches": 2})[0][3]
+    assert [n for n, _ in r["units"]] == ["root"]
+    assert len(_ops(r, 1, "all_gather")) == 1 and len(_ops(r, 1, "reduce_scatter")) == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_between_steps_is_one_nth(tmp_path, world):
+    sc = {"micro_batches": 2, "zero3": {"wrap_policy": BLOCK}}
+    r = run_ranks(_stages, world, tmp_path, (0, 3), sc)[0]
+    zero0, zero3 = r[0]["memory"], r[3]["memory"]
+    padded = sum(n for _, n in r[3]["units"])
+    assert zero3.parameters == 4 * padded // world  # only the shards: every gathered unit was released
+    assert zero3.gradients == 4 * padded // world
+    steps = 4 * 2 * 4  # 0-dim step counters: 4 units x 2 groups
+    assert zero3.optimizer_states == 2 * 4 * padded // world + steps
+    assert zero0.parameters / world <= zero3.parameters <= zero0.parameters / world + 4 * 4 * world
+
+
+def _outside_forward(rank: int, world: int, kind: str) -> str:
+    model = models.build_stack(seed=1, tied=kind == "tied_across")
+    comm = Communicator()
+    optimizer, _ = _optimizer(model)
+    policy = {"tied_across": "torch.nn.Embedding", "no_match": "torch.nn.Conv2d"}.get(kind, BLOCK)
+    try:
+        engine = make_engine(ZeroConfig(stage=3, wrap_policy=policy), comm)
+        engine.setup(model, [optimizer])
+    except ValueError as err:
+        return str(err)
+    # a method that runs submodules outside the root's forward (as generate() in a callback would)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with torch.no_grad():
+        x = model.emb(tokens)
+        for block in model.blocks:
+            x = block(x)
+        logits = model.head(model.norm(x))
+    return f"ok {tuple(logits.shape)} {model.blocks[0].fc1.weight.shape}"
+
+
+def test_errors_and_calls_outside_forward(tmp_path):
+    assert run_ranks(_outside_forward, 2, tmp_path, "plain")[0] == "ok (2, 4, 32) torch.Size([0])"
+    no_match = run_ranks(_outside_forward, 2, tmp_path, "no_match")[0]
+    assert "Conv2d match no module" in no_match and "Block" in no_match and "Linear" in no_match
+    tied = run_ranks(_outside_forward, 2, tmp_path, "tied_across")[0]
+    assert "emb.weight" in tied and "head.weight" in tied and "one unit" in tied
