@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import pickle
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,14 +29,23 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Handle:
-    """An issued collective; ``wait()`` blocks until its result is in the output tensor."""
+    """An issued collective; ``wait()`` blocks until its result is in the output tensor.
 
-    def __init__(self, work: Any | None = None) -> None:
+    The time a caller spends blocked in ``wait()`` is communication that computation did not
+    hide (exposed communication); it is added to the ledger under the collective's op.
+    """
+
+    def __init__(self, work: Any | None = None, ledger: CommLedger | None = None, op: str = "") -> None:
         self._work = work  # torch Work object, None when the collective was a no-op
+        self._ledger = ledger  # where the blocked time goes
+        self._op = op  # the collective's op, the ledger's key for it
 
     def wait(self) -> None:
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
+            if self._ledger is not None:
+                self._ledger.add_wait(self._op, time.perf_counter() - start)
             self._work = None
 
     @property
@@ -88,7 +98,7 @@ class Communicator:
             return Handle()
         self.ledger.record(op, name, payload_bytes, self.world_size)
         with torch.profiler.record_function(name):
-            return Handle(launch())
+            return Handle(launch(), self.ledger, op)
 
     def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Sum ``tensor`` in place across ranks."""

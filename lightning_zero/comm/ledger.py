@@ -56,6 +56,14 @@ class CommLedger:
     def __init__(self) -> None:
         self.step = 0  # current step; set by the strategy at each training batch
         self.records: list[CommRecord] = []  # every collective so far, in issue order
+        self.waits: dict[tuple[int, str], float] = defaultdict(float)  # (step, op) -> seconds blocked
+
+    def add_wait(self, op: str, seconds: float) -> None:
+        """Time the caller was blocked waiting for ``op`` collectives (communication not hidden)."""
+        self.waits[(self.step, op)] += seconds
+
+    def wait_seconds(self, step: int) -> dict[str, float]:
+        return {op: t for (s, op), t in self.waits.items() if s == step}
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -66,6 +74,7 @@ class CommLedger:
 
     def clear(self) -> None:
         self.records.clear()
+        self.waits.clear()
 
     def for_step(self, step: int) -> list[CommRecord]:
         return [r for r in self.records if r.step == step]

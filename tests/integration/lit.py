@@ -25,10 +25,10 @@ class TokenData(Dataset):
 
 
 class LitTiny(LightningModule):
-    def __init__(self, manual: bool = False, groups: bool = False) -> None:
+    def __init__(self, manual: bool = False, groups: bool = False, stack: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = models.build(seed=7)
+        self.net = models.build_stack(seed=7, tied=True) if stack else models.build(seed=7)
         self.val_metric = torchmetrics.MeanMetric()
         self.automatic_optimization = not manual
 
@@ -58,6 +58,12 @@ class LitTiny(LightningModule):
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_metric", self.val_metric)
 
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.net(*batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(*batch)
+
     def configure_optimizers(self):
         if not self.hparams.groups:
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -83,6 +89,8 @@ class SaveRankParams(Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        # through the strategy: stage 3 holds only shards until teardown (every rank takes part)
+        state = trainer.strategy.lightning_module_state_dict()
+        params = {n: state[n].detach().clone() for n, _ in pl_module.named_parameters()}
         params["global_step"] = torch.tensor(float(trainer.global_step))
         torch.save(params, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
