@@ -5,6 +5,7 @@
         --tokens-per-rank 4096 --bucket-sweep --plot-dir plots
     lightning-zero plan --params 8B -n 128 512 --global-batch-tokens 4M --seq-len 4096 \\
         --micro-batch 2 --pow2 --json
+    lightning-zero consolidate checkpoints/last.ckpt last-full.ckpt [--weights-only]
 
 Each subcommand is one ``_add_<name>_parser`` function that builds its arguments and one
 ``_run_<name>`` function that the dispatcher in :func:`main` calls with the parsed arguments.
@@ -44,6 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(subparsers)
+    _add_consolidate_parser(subparsers)
     return parser
 
 
@@ -556,6 +558,41 @@ def _plot_buckets(plt: Any, path: Path, rec: comm.BucketRecommendation, n: int) 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- consolidate
+
+
+def _add_consolidate_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one plain Lightning checkpoint file",
+        description="Read a checkpoint written with state_dict_type='sharded' in this process alone (no "
+        "process group, no GPU) and write one file that LightningModule.load_from_checkpoint and "
+        "Trainer.fit(ckpt_path=...) load. See docs/checkpoints.md.",
+    )
+    p.set_defaults(run=_run_consolidate)
+    p.add_argument("checkpoint_dir", type=Path, help="the sharded checkpoint (a directory)")
+    p.add_argument("out", type=Path, help="the checkpoint file to write")
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="leave out optimizer, LR-scheduler and callback state (weights, hyper-parameters, progress)",
+    )
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint import CheckpointError, consolidate  # torch: only when asked
+
+    try:
+        result = consolidate(args.checkpoint_dir, args.out, weights_only=args.weights_only)
+    except (CheckpointError, FileNotFoundError) as err:
+        raise ValueError(str(err)) from err
+    print(
+        f"wrote {result.path}: {result.tensors} model tensors, {result.optimizers} optimizer state(s), "
+        f"{result.nbytes / 2**20:.2f} MiB"
+    )
+    return 0
 
 
 # --------------------------------------------------------------------------- formatting

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_STAGES = (0, 1, 2, 3)  # stages this build implements
+STATE_DICT_TYPES = ("full", "sharded")  # checkpoint forms (lightning_zero/checkpoint.py)
 
 
 @dataclass
@@ -48,6 +49,16 @@ class ZeroConfig:
         reshard_after_forward: stage 3: free a unit's parameters after its forward and gather
             them again for backward (3Ψ traffic). False keeps them from forward to backward
             (2Ψ traffic, the gathered model held through the step).
+        param_dtype: mixed precision: the dtype the module computes in and reduces gradients in,
+            with fp32 master weights held by the optimizer (see README "Mixed precision").
+            None follows Lightning's ``precision`` flag ("bf16-mixed" -> "bf16"; "32-true" ->
+            fp32, no master copy). "fp16" is refused: it needs loss scaling.
+        reduce_dtype: dtype of gradients on the wire; must equal param_dtype in this release.
+        state_dict_type: how checkpoints are written. ``"full"``: rank 0 writes one file with the
+            full model and optimizer state under the original parameter names. ``"sharded"``:
+            every rank writes only its own shards, in parallel, into a directory in the
+            ``torch.distributed.checkpoint`` format (docs/checkpoints.md). Either form resumes
+            with any stage on any number of ranks.
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -61,6 +72,9 @@ class ZeroConfig:
     prefetch: bool = True  # stage 3: gather the next unit while one computes
     prefetch_limit: int = 1  # stage 3: units gathering ahead at most
     reshard_after_forward: bool = True  # stage 3: free units after forward (3Ψ) or keep (2Ψ)
+    param_dtype: str | None = None  # "bf16" | "fp32" | None: follow Lightning's precision flag
+    reduce_dtype: str | None = None  # gradients on the wire; None: param_dtype
+    state_dict_type: str = "full"  # checkpoints: "full" (one file, rank 0) or "sharded" (a directory)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -74,6 +88,14 @@ class ZeroConfig:
         if self.accumulate_unsharded and self.stage < 2:
             raise ValueError(f"accumulate_unsharded applies to stages 2 and 3, got stage={self.stage}")
         self._check_stage3()
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type must be one of {list(STATE_DICT_TYPES)}, got {self.state_dict_type!r}"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in ("bf16", "fp16", "fp32"):
+                raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
 
     def _check_stage3(self) -> None:
         _check_bool("prefetch", self.prefetch)

@@ -46,9 +46,13 @@ def measure(
     given gradient tensors and the optimizers' state tensors."""
     params = [p for p in module.parameters()] + list(extra_params)
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    optimizers = list(optimizers)
     states = [
         v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)
     ]
+    # what the optimizer steps, when it is not the module's own storage: fp32 master copies
+    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    states += [m for m in masters if m.untyped_storage().data_ptr() not in param_ptrs]
     return MemoryReport(
         parameters=storage_bytes(params),
         gradients=storage_bytes([g for g in grad_tensors if g is not None]),

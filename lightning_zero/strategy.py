@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -24,12 +26,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import checkpoint as checkpoints
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, make_engine
 from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.memory import MemoryReport, measure
-from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping
+from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping, resolve_policy
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,9 @@ class ZeroStrategy(DDPStrategy):
         self.model_to_device()
         broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
         if fitting:
-            self._engine = make_engine(self._config, self.comm)
+            cfg = self._config
+            policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
+            self._engine = make_engine(cfg, self.comm, policy)
             if self._engine.needs_optimizers_first:  # shards follow the optimizer's param groups
                 self.setup_optimizers(trainer)
                 self.configure_ddp()
@@ -177,28 +182,92 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The state of the original parameters, consolidated (a collective in stages 1-3: all ranks call it)."""
-        if self._engine is None:
+        """The checkpoint form of an optimizer's state (a collective in stages 1-3: all ranks call it).
+
+        ``state_dict_type="full"``: the original parameters' state, consolidated on rank 0 only
+        (the other ranks get ``{}``); ``"sharded"``: this rank's slices, by parameter name.
+        """
+        if self._engine is None and self._config.state_dict_type == "full":
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
-        return self._engine.optimizer_state(self.optimizers[index], index)
+        inner = self.optimizers[index]
+        if self._config.state_dict_type == "sharded":
+            return checkpoints.sharded_optimizer_state(self.lightning_module, self._engine, inner, index)
+        if self._engine.sharded:
+            return checkpoints.gather_optimizer_state(self._engine, inner, index, self.comm)
+        return self._engine.optimizer_state(inner, index)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._engine is None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise checkpoints.CheckpointError(
+                f"the checkpoint holds {len(states)} optimizer states, the LightningModule configures "
+                f"{len(self.optimizers)} optimizers"
+            )
+        if self._engine is None and not any(isinstance(s, checkpoints.ShardedOptimizerState) for s in states):
             super().load_optimizer_state_dict(checkpoint)
             return
-        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            self._engine.load_optimizer_state(optimizer, index, state)
+        module, engine = self.lightning_module, self._engine
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
+            if isinstance(state, checkpoints.ShardedOptimizerState):
+                checkpoints.load_sharded_optimizer(module, engine, self.comm, optimizer, state)
+            else:
+                self._engine.load_optimizer_state(optimizer, index, state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model under its original names (stage 3 gathers it unit by unit: all ranks call it)."""
+        """The full model under its original names (stage 3 gathers it unit by unit: all ranks call it);
+        with ``state_dict_type="sharded"`` this rank's slices instead (see ``checkpoint.py``)."""
         assert self.lightning_module is not None
+        if self._config.state_dict_type == "sharded":
+            return checkpoints.sharded_model_state(self.lightning_module, self._engine)
         if self._engine is None:
             return super().lightning_module_state_dict()
         return self._engine.module_state_dict(self.lightning_module)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the module as set up (shards, units): each rank takes its part."""
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes one file (``"full"``), or every rank its shards into a directory (``"sharded"``);
+        under the final name only once complete. All ranks call it."""
+        path = self._shared_path(filepath)
+        if self._config.state_dict_type == "full":
+            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
+        module, stage = self.lightning_module, self._config.stage
+        layout = checkpoints.layout_of(module, self._engine, stage, self.comm.world_size)
+        checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A full file, or a sharded directory's entries with stand-ins that each rank reads later."""
+        return checkpoints.read(self._shared_path(checkpoint_path), self.checkpoint_io, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = checkpoint["state_dict"]
+        checkpoints.load_model_state(self.lightning_module, self._engine, self.comm, state, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            checkpoints.remove(filepath, self.checkpoint_io)
+
+    def _shared_path(self, path: _PATH) -> str:
+        """Rank 0's path on every rank: all of them read or write the same checkpoint."""
+        return self.comm.broadcast_object(str(path), name="checkpoint/path", device=self.root_device)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""

@@ -14,6 +14,7 @@ import atexit
 import functools
 import pickle
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.ledger import CommLedger, CommRecord
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -173,6 +174,81 @@ class Communicator:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(buf, src=src, name=name)
         return pickle.loads(buf.cpu().numpy().tobytes())
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _record_unmodelled(self, op: str, name: str, payload_bytes: int, wire: float) -> None:
+        """Record an op outside the ledger's ring model (gather, barrier) with its own wire bytes."""
+        record = CommRecord(self.ledger.step, op, name, payload_bytes, wire, self.world_size)
+        self.ledger.records.append(record)
+
+    def gather(self, output: Tensor | None, input: Tensor, *, dst: int = 0, name: str) -> None:
+        """Every rank's ``input`` (1D, one shard) concatenated into ``output`` (1D, N x shard) on rank
+        ``dst`` only; the other ranks pass ``output=None`` and receive nothing (synchronous).
+
+        Recorded with ``wire_bytes`` = one shard: what each rank but ``dst`` sends.
+        """
+        if not self.active:
+            output.copy_(input)
+            return
+        nbytes = input.numel() * input.element_size()
+        self._record_unmodelled("gather", name, nbytes * self.world_size, float(nbytes))
+        chunks = list(output.chunk(self.world_size)) if self.rank == dst else None
+        dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        with torch.profiler.record_function(name):
+            work = dist.gather(input, chunks, dst=dst_global, group=self.group, async_op=True)
+        Handle(work, self.ledger, "gather").wait()
+
+    def barrier(self, *, name: str) -> None:
+        """Return once every rank of the group has arrived here."""
+        if not self.active:
+            return
+        self._record_unmodelled("barrier", name, 0, 0.0)
+        with torch.profiler.record_function(name):
+            if dist.get_backend(self.group) == "nccl":
+                dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier(group=self.group)
+
+    def save_checkpoint_items(
+        self, state_dict: dict[str, Any], writer: Any, planner: Any, *, name: str, local: bool = False
+    ) -> None:
+        """``torch.distributed.checkpoint.save``: every rank writes its own items in parallel, the
+        coordinator (rank 0) writes the metadata once all have written (a collective, unless
+        ``local``). DCP's small planning collectives carry plans, not tensors: not in the ledger.
+        """
+        from torch.distributed import checkpoint as dcp
+
+        no_dist = local or not is_distributed() or not self.active
+        with torch.profiler.record_function(name), warnings.catch_warnings():
+            # one process on purpose: DCP's warning that it assumes so says nothing new
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.group,
+                no_dist=no_dist,
+            )
+
+    def load_checkpoint_items(
+        self, state_dict: dict[str, Any], reader: Any, planner: Any, *, name: str, local: bool = False
+    ) -> None:
+        """``torch.distributed.checkpoint.load`` into ``state_dict``'s tensors, in place: each rank
+        reads only the chunks its items overlap (a collective, unless ``local``)."""
+        from torch.distributed import checkpoint as dcp
+
+        no_dist = local or not is_distributed() or not self.active
+        with torch.profiler.record_function(name), warnings.catch_warnings():
+            # one process on purpose: DCP's warning that it assumes so says nothing new
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner,
+                process_group=self.group,
+                no_dist=no_dist,
+            )
 
 
 def _group_by_dtype_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -34,7 +34,7 @@ accumulated sum, because the slots were never cleared in between.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -126,6 +126,7 @@ class GradReducer:
         self.pad_to = comm.world_size if stage >= 1 else 1  # buckets divisible into N shards
         self.attach_views = stage <= 1  # gradients live in bucket storage between backwards
         self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
+        self.on_reduced: Callable[[], None] | None = None  # called after each synchronised backward
         self.shard_params: list[Parameter | None] | None = None  # bucket -> shard parameter (stages 1-2)
         self.sync_enabled = True  # False inside no_sync()
         self.buckets: list[Bucket] = []  # in launch order
@@ -314,6 +315,8 @@ class GradReducer:
             self._deliver_shards()
         elif not self._rebuilt:
             self._rebuild()
+        if self.on_reduced is not None:
+            self.on_reduced()
         self._reset_backward_state()
         self._used = [False] * len(self.params)
 

@@ -97,6 +97,37 @@ class FlatParameter:
     def own_chunk(self, flat: Tensor) -> Tensor:
         return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
 
+    def master_shard(self, masters: dict[int, Tensor]) -> Tensor:
+        """This rank's chunk of the master values (1D, S), from id(param) -> master tensor."""
+        first = masters[id(self.params[0])]
+        flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
+            flat[offset : offset + shape.numel()].copy_(masters[id(p)].reshape(-1))
+        return self.own_chunk(flat).clone()
+
+
+def full_parameters(spaces: Sequence[FlatParameter], comm: Communicator, label: str) -> dict[int, Tensor]:
+    """id(param) -> its full value, gathered from the shards one flat space at a time.
+
+    The shards hold the optimizer's values (fp32 masters under a mixed-precision policy).
+    """
+    values: dict[int, Tensor] = {}
+    for space in spaces:
+        full = torch.empty(space.padded_numel, dtype=space.shard.dtype, device=space.shard.device)
+        comm.all_gather(full, space.shard.detach(), name=f"{label}/all_gather/state_dict", async_op=False)
+        for p, shape, offset in zip(space.params, space.shapes, space.offsets):
+            values[id(p)] = full[offset : offset + shape.numel()].view(shape).clone()
+    return values
+
+
+def state_dict_with(module: torch.nn.Module, values: dict[int, Tensor]) -> dict[str, Tensor]:
+    """``module.state_dict()`` with the given parameter values, under every name a parameter has."""
+    state = module.state_dict()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in values:
+            state[name] = values[id(p)]
+    return state
+
 
 def _offsets(params: Sequence[Parameter]) -> list[int]:
     offsets, total = [], 0

@@ -77,7 +77,9 @@ class ShardedParams:
         comm: collectives for the AllGather of updated parameters and the norm AllReduce.
     """
 
-    def __init__(self, reducer: GradReducer, comm: Communicator) -> None:
+    def __init__(
+        self, reducer: GradReducer, comm: Communicator, masters: dict[int, Tensor] | None = None
+    ) -> None:
         self.reducer = reducer
         self.comm = comm
         self.label = reducer.label  # prefix of the collectives' names
@@ -85,9 +87,10 @@ class ShardedParams:
         self.spaces: list[FlatParameter] = []  # per bucket: layout, shard and sub-shard
         self.original_groups: dict[int, list[list[Parameter]]] = {}  # optimizer -> groups' params
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
-        self._layout()
+        self.masters = bool(masters)  # shards are separate fp32 masters (see [Note: mixed precision])
+        self._layout(masters or {})
 
-    def _layout(self) -> None:
+    def _layout(self, masters: dict[int, Tensor]) -> None:
         for b, bucket in enumerate(self.reducer.buckets):
             keys = [self.reducer.keys[i] for i in bucket.spec.params]
             space = FlatParameter(
@@ -102,7 +105,7 @@ class ShardedParams:
             with torch.no_grad():
                 for p, offset in zip(bucket.params, space.offsets):
                     p.data = flat[offset : offset + p.numel()].view_as(p)
-            space.shard = space.own_chunk(flat)
+            space.shard = space.master_shard(masters) if masters else space.own_chunk(flat)
             space.sub_shards = space._make_sub_shards()
             self.flats.append(flat)
             self.spaces.append(space)
@@ -121,8 +124,11 @@ class ShardedParams:
         """Every rank's updated chunk everywhere: one in-place AllGather per bucket, then wait."""
         handles = []
         for b in self.buckets_of(optimizer_index):
+            own = self.spaces[b].own_chunk(self.flats[b])
+            if self.masters:  # the updated fp32 master into this rank's chunk of the parameters
+                own.copy_(self.spaces[b].shard)
             name = f"{self.label}/all_gather/params/bucket={b}"
-            handles.append(self.comm.all_gather(self.flats[b], self.spaces[b].shard.detach(), name=name))
+            handles.append(self.comm.all_gather(self.flats[b], own, name=name))
         for handle in handles:
             handle.wait()
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
-from lightning_zero.zero.flat_param import FlatParameter
+from lightning_zero.zero.flat_param import FlatParameter, full_parameters, state_dict_with
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
 
@@ -51,6 +51,7 @@ class ShardedUnit:
         keys: list,
         comm: Communicator,
         label: str,
+        masters: dict[int, Tensor] | None = None,
     ) -> None:
         order = sorted(range(len(params)), key=lambda i: (_key_order(keys[i]), i))
         self.name = name or "root"  # module path; "root" for the whole model
@@ -69,7 +70,9 @@ class ShardedUnit:
             rank=comm.rank,
         )
         full = self.flat.full_from_params()  # 1D, padded_numel: storage reused for every gather
-        self.flat.shard = self.flat.own_chunk(full).clone()
+        self.param_shard = self.flat.own_chunk(full).clone()  # 1D, S, param dtype: what gathers read
+        # the optimizer's values: the same tensor, or an fp32 master (see [Note: mixed precision])
+        self.flat.shard = self.flat.master_shard(masters) if masters else self.param_shard
         self.flat.sub_shards = self.flat._make_sub_shards()
         self.full = full
         self.views = [full[o : o + p.numel()].view_as(p) for o, p in zip(self.flat.offsets, ordered)]
@@ -87,6 +90,14 @@ class ShardedUnit:
     def params(self) -> list[nn.Parameter]:
         return self.flat.params
 
+    def after_step(self) -> None:
+        """Copy the stepped master shard into the shard the next gather reads; let go of the
+        consumed shard gradient (the optimizer's zero_grad frees it; the next window starts anew)."""
+        if self.param_shard is not self.flat.shard:
+            with torch.no_grad():
+                self.param_shard.copy_(self.flat.shard)
+        self.shard_grad = None
+
     # -- gather and free -----------------------------------------------------------------------
 
     def gather(self, *, wait: bool = True) -> None:
@@ -95,7 +106,7 @@ class ShardedUnit:
             storage = self.full.untyped_storage()
             storage.resize_(self.full.numel() * self.full.element_size())
             name = f"{self.label}/all_gather/unit={self.name}"
-            self.gather_handle = self.comm.all_gather(self.full, self.flat.shard, name=name)
+            self.gather_handle = self.comm.all_gather(self.full, self.param_shard, name=name)
         if wait:
             self._finish_gather()
 
@@ -115,11 +126,9 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def materialize(self) -> None:
-        """Gather and give the parameters storage of their own (teardown: a plain module again)."""
-        self.gather()
-        for p, view in zip(self.params, self.views):
-            p.data = view.clone()
+    def release(self) -> None:
+        """Teardown: the parameters hold values of their own now; free ``full`` for good."""
+        self._finish_gather()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -195,6 +204,7 @@ class ZeroThree:
         reshard_after_forward: bool = True,
         accumulate_unsharded: bool = False,
         label: str = "zero3",
+        masters: dict[int, Tensor] | None = None,
     ) -> None:
         self.comm = comm
         self.label = label
@@ -203,7 +213,7 @@ class ZeroThree:
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_unsharded = accumulate_unsharded
         self.sync_enabled = True  # False inside no_sync() when accumulate_unsharded
-        self.units = self._build_units(root, select_units(root, policy), keys)
+        self.units = self._build_units(root, select_units(root, policy), keys, masters)
         self.root_unit = self.units[0] if self.units and self.units[0].module is root else None
         self.forward_order: list[ShardedUnit] = []  # as observed in the first training forward
         self._recording = True  # recording the forward order
@@ -211,17 +221,16 @@ class ZeroThree:
         self._unit_of = {id(p): u for u in self.units for p in u.params}  # id(param) -> its unit
         self._handles = self._register_hooks(root)
 
-    def _build_units(self, root: nn.Module, unit_modules: list, keys: dict) -> list[ShardedUnit]:
+    def _build_units(
+        self, root: nn.Module, unit_modules: list, keys: dict, masters: dict | None
+    ) -> list[ShardedUnit]:
         owner = _owning_units(root, unit_modules)
         units = []
         for name, module in unit_modules:
-            params = [(n, p) for n, p in owner.items_for(name)]
+            params = owner.items_for(name)
             if params:
-                units.append(
-                    ShardedUnit(
-                        name, module, params, [keys.get(id(p)) for _, p in params], self.comm, self.label
-                    )
-                )
+                unit_keys = [keys.get(id(p)) for _, p in params]
+                units.append(ShardedUnit(name, module, params, unit_keys, self.comm, self.label, masters))
         return units
 
     def _register_hooks(self, root: nn.Module) -> list:
@@ -362,29 +371,23 @@ class ZeroThree:
                 unit.reshard()
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        """The module's state dict with full parameters, gathered one unit at a time."""
-        names_of: dict[int, list[str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(name)
-        state = {k: v for k, v in module.state_dict().items()}
-        for unit in self.units:
-            unit.gather()
-            for p in unit.params:
-                value = p.detach().clone()
-                for name in names_of.get(id(p), []):
-                    state[name] = value
-            unit.reshard()
-        return state
+        """The module's state dict with full parameters (the optimizer's values), one unit at a time."""
+        return state_dict_with(module, full_parameters([u.flat for u in self.units], self.comm, self.label))
 
-    def materialize(self) -> None:
+    def after_step(self) -> None:
         for unit in self.units:
-            unit.materialize()
+            unit.after_step()
+
+    def release(self) -> None:
+        for unit in self.units:
+            unit.release()
 
     def grad_tensors(self) -> list[Tensor]:
         return [u.shard_grad for u in self.units if u.shard_grad is not None]
 
     def shard_tensors(self) -> list[Tensor]:
-        return [u.flat.shard for u in self.units]
+        """The persistent parameter shards (what gathers read; fp32 masters are optimizer state)."""
+        return [u.param_shard for u in self.units]
 
 
 def _grad_tensors(output: Any) -> list[Tensor]:

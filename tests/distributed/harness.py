@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -12,16 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
+def _entry(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # a file store: no port to race for when several test runs share the machine
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -31,6 +26,6 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], out_di
 
 def run_ranks(fn: Callable[..., Any], world_size: int, out_dir: str, *args: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each rank's result."""
-    port = free_port()
-    mp.spawn(_entry, args=(world_size, port, fn, str(out_dir), args), nprocs=world_size, join=True)
+    store = tempfile.mktemp(prefix="store-", dir=str(out_dir))
+    mp.spawn(_entry, args=(world_size, store, fn, str(out_dir), args), nprocs=world_size, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
