@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import lightning_zero  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
+from lightning_zero.callbacks import ZeroMonitor  # noqa: E402
 from lightning_zero.config import register_hydra_schema  # noqa: E402
 
 # Before @hydra.main composes anything: configs/strategy/*.yaml extend `zero_schema`.
@@ -98,7 +99,10 @@ def main(cfg: DictConfig) -> float:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     zero_cfg = OmegaConf.to_container(cfg.strategy)  # ZeroConfig fields, checked by the schema
     strategy = lightning_zero.ZeroStrategy(**zero_cfg, **launch_kwargs(trainer_cfg))
-    trainer = L.Trainer(strategy=strategy, callbacks=[ValLossReport(), ValidateAtLastStep()], **trainer_cfg)
+    callbacks = [ValLossReport(), ValidateAtLastStep()]
+    if cfg.monitor:  # traffic, exposed communication, memory and step times per step (docs/monitoring.md)
+        callbacks.append(ZeroMonitor())
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_cfg)
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.callback_metrics["val_loss"])
     if trainer.is_global_zero:

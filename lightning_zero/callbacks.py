@@ -6,7 +6,8 @@
 Every optimizer step, rank 0 hands its loggers (``trainer.loggers``) the metrics below, at the
 step number the strategy's ledger uses (0 for the first optimizer step):
 
-    zero/<op>_calls, zero/<op>_bytes, zero/<op>_wire_bytes   per op in OPS; bytes are logical
+    zero/<op>_calls, zero/<op>_bytes, zero/<op>_wire_bytes   per op in OPS (and any other op
+                                                              the step ran); bytes are logical
     zero/<op>_wait_s, zero/exposed_comm_s                     seconds blocked in wait()
     zero/mem_params_bytes, zero/mem_optim_bytes                after the optimizer step
     zero/mem_grads_bytes                                       just before the optimizer step
@@ -58,7 +59,7 @@ from lightning_zero.memory import MemoryReport
 from lightning_zero.planning import MemoryEstimate, model_state_memory, optimizer_k, step_traffic
 from lightning_zero.strategy import ZeroStrategy
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # the ledger's collective types
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # logged every step, 0 when idle
 PREFIX = "zero/"  # of every logged metric
 LOGICAL_NOTE = (
     "bytes are logical ring-algorithm figures computed from tensor sizes (payload: the full tensor; "
@@ -213,6 +214,11 @@ def traffic_of(records: Sequence[Any]) -> dict[str, OpTotals]:
     return totals
 
 
+def ops_of(traffic: dict[str, Any]) -> list[str]:
+    """OPS, then any other op the ledger recorded (a checkpoint's gather or barrier), sorted."""
+    return [*OPS, *sorted(op for op in traffic if op not in OPS)]
+
+
 def ratio(values: Tensor) -> float:
     """max / min of ``values`` (1 when there is one value; inf when the minimum is 0)."""
     low, high = float(values.min()), float(values.max())
@@ -230,7 +236,7 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
         "busy_time_max_over_min": ratio(busy),
     }
     if sample.memory is not None:
-        for op in OPS:
+        for op in ops_of(sample.traffic):
             totals = sample.traffic.get(op, OpTotals(0, 0, 0.0))
             metrics[f"{op}_calls"] = float(totals.calls)
             metrics[f"{op}_bytes"] = float(totals.payload_bytes)
@@ -477,7 +483,7 @@ def traffic_section(shape: RunShape, measured: dict[str, OpTotals]) -> Section:
     """Bytes per optimizer step by op: planner vs ledger."""
     predicted = predict_traffic(shape)
     rows = []
-    for op in OPS:
+    for op in ops_of(measured):
         got, want = measured.get(op), predicted.get(op)
         if got is None and want is None:
             continue

@@ -284,7 +284,8 @@ class GradReducer:
                 bucket.free()
             if shard_param is None:  # parameters no optimizer updates
                 continue
-            out = bucket.shard_out.to(shard_param.dtype)
+            # the sub-shard starts at the shard's start and stops before any padding (last ranks)
+            out = bucket.shard_out[: shard_param.numel()].to(shard_param.dtype)
             if self.attach_views or shard_param.grad is None:
                 shard_param.grad = out
             else:

@@ -108,6 +108,15 @@ def test_stages_match_zero0(tmp_path, optimizer):
             assert r[stage]["lr"] == r[0]["lr"]  # the scheduler reached the sharded step
 
 
+def test_three_ranks_buckets_with_padding(tmp_path):
+    # N = 3 divides no bucket here: the last rank's sub-shards stop before the padding
+    sc = {"optimizer": "adamw", "accumulate": 2, "micro_batches": 4, "clip": 0.05}
+    for r in run_ranks(_all_stages, 3, tmp_path, (0, 1, 2), sc):
+        for stage in (1, 2):
+            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+            assert _state_diff(r[stage]["state"], r[0]["state"]) <= TOL
+
+
 def test_accumulation_and_norm_clipping_four_ranks(tmp_path):
     sc = {"optimizer": "adamw", "accumulate": 3, "micro_batches": 7, "clip": 0.05}
     results = run_ranks(_all_stages, 4, tmp_path, (0, 1, 2), sc)

@@ -67,3 +67,24 @@ def test_hydra_schema_rejects_typos_and_wrong_types(tmp_path):
         with pytest.raises(Exception, match="bucket_cap_mb"):
             compose("config", overrides=["strategy.bucket_cap_mb=big"])
     GlobalHydra.instance().clear()
+
+
+def test_precision_policy_from_lightning_flags_and_options():
+    import torch
+
+    from lightning_zero.precision import resolve_policy
+
+    assert resolve_policy(None, None, "32-true") is None
+    assert resolve_policy(None, None, "bf16-true") is None  # Lightning converts the module itself
+    bf16 = resolve_policy(None, None, "bf16-mixed")
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.master_dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert resolve_policy("bf16", None, "32-true") == bf16  # an explicit policy overrides the flag
+    assert resolve_policy("fp32", None, "bf16-mixed") is None
+    with pytest.raises(ValueError, match="16-mixed.*not supported.*bf16-mixed"):
+        resolve_policy(None, None, "16-mixed")
+    with pytest.raises(ValueError, match="fp16.*loss scaling"):
+        resolve_policy("fp16", None, "32-true")
+    with pytest.raises(ValueError, match="reduce_dtype must equal param_dtype"):
+        resolve_policy("bf16", "fp32", "32-true")
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        ZeroConfig(param_dtype="half")
