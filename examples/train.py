@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import lightning_zero  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
-from lightning_zero.callbacks import ZeroMonitor  # noqa: E402
+from lightning_zero.callbacks import ProfileSteps, ZeroMonitor  # noqa: E402
 from lightning_zero.config import register_hydra_schema  # noqa: E402
 
 # Before @hydra.main composes anything: configs/strategy/*.yaml extend `zero_schema`.
@@ -102,6 +102,8 @@ def main(cfg: DictConfig) -> float:
     callbacks = [ValLossReport(), ValidateAtLastStep()]
     if cfg.monitor:  # traffic, exposed communication, memory and step times per step (docs/monitoring.md)
         callbacks.append(ZeroMonitor())
+    if cfg.profile_steps > 0:  # torch.profiler trace of a few steps, one JSON per rank (README: Profiling)
+        callbacks.append(ProfileSteps(HydraConfig.get().runtime.output_dir, steps=cfg.profile_steps))
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_cfg)
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.callback_metrics["val_loss"])

@@ -38,6 +38,7 @@ signal. The wall-clock spread only shows work done after the last collective of 
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import time
@@ -635,3 +636,44 @@ def plain_text(section: Section) -> str:
 
 def _wrap(note: str, width: int) -> str:
     return textwrap.fill(note, width=width, initial_indent="  ", subsequent_indent="    ")
+
+
+class ProfileSteps(Callback):
+    """Records a ``torch.profiler`` trace of some optimizer steps on every rank (Chrome/Perfetto JSON).
+
+    The collectives appear under their ledger names (``zero3/all_gather/unit=blocks.1`` on the
+    launching thread, the backend's own event, e.g. ``gloo:all_gather``, on its worker thread), so
+    the trace shows which unit's gather runs while which unit computes.
+
+    Args:
+        dirpath: where ``trace_rank{r}.json`` goes.
+        start: the first optimizer step recorded (after warm-up).
+        steps: how many optimizer steps are recorded.
+    """
+
+    def __init__(self, dirpath: str, *, start: int = 5, steps: int = 1) -> None:
+        self.dirpath = dirpath
+        self.start = start
+        self.steps = steps
+        self._profiler: torch.profiler.profile | None = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._profiler is None and trainer.global_step == self.start:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._profiler is not None and trainer.global_step >= self.start + self.steps:
+            self._finish(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._profiler is not None:
+            self._finish(trainer)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        os.makedirs(self.dirpath, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(self.dirpath, f"trace_rank{trainer.global_rank}.json"))
