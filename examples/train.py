@@ -33,9 +33,11 @@ from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
 from lightning_zero.callbacks import ProfileSteps, ZeroMonitor  # noqa: E402
 from lightning_zero.config import register_hydra_schema  # noqa: E402
+from lightning_zero.planning import register_resolvers  # noqa: E402
 
 # Before @hydra.main composes anything: configs/strategy/*.yaml extend `zero_schema`.
 register_hydra_schema()
+register_resolvers()  # ${zero_grad_acc:global_batch,micro_batch,devices[,num_nodes]} in configs
 
 
 class ValLossReport(L.Callback):

@@ -195,3 +195,41 @@ def _bad_optimizer(rank: int, world: int, kind: str) -> str:
 def test_lbfgs_is_refused_with_a_clear_error(tmp_path):
     message = run_ranks(_bad_optimizer, 2, tmp_path, "lbfgs")[0]
     assert "LBFGS cannot be sharded" in message and "zero0" in message
+
+
+class RowNorms(torch.optim.Optimizer):
+    """Keeps one number per row of each parameter: state shaped unlike the parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["rows"] = torch.zeros(3)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def _custom_state(rank: int, world: int) -> str:
+    model = models.build(0)
+    comm = Communicator()
+    opt = RowNorms(model.parameters())
+    named = trainable_parameters(model)
+    keys = param_group_keys([opt], [p for _, p in named], [n for n, _ in named])
+    wrapped = wrap_module(model, comm, ZeroConfig(stage=1), keys=keys)
+    sharded = ShardedParams(wrapped.sync, comm)
+    sharded.shard_optimizer(opt, 0)
+    wrapped(*models.rank_slice(models.global_batches(1, world)[0], rank)).backward()
+    opt.step()
+    try:
+        sharded.after_step(opt, 0)
+    except ShardingError as err:
+        return str(err)
+    return ""
+
+
+def test_optimizer_state_shaped_unlike_the_parameter_is_refused(tmp_path):
+    message = run_ranks(_custom_state, 2, tmp_path)[0]
+    assert "RowNorms keeps state 'rows' of shape (3,)" in message and "zero0" in message

@@ -91,3 +91,23 @@ def test_resume_continues_exactly(tmp_path, stage):
     )
     assert resumed[0]["global_step"].item() == full[0]["global_step"].item()
     assert _max_diff(resumed[0], full[0]) <= TOL
+
+
+def test_sharded_stage_on_one_process_trains_with_a_warning(tmp_path):
+    trainer = Trainer(
+        strategy="zero2",
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    model = LitTiny(groups=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="stage 2 on one process shards nothing"):
+        trainer.fit(model)
+    assert trainer.global_step == 3
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -77,7 +77,11 @@ def test_precision_policy_from_lightning_flags_and_options():
     assert resolve_policy(None, None, "32-true") is None
     assert resolve_policy(None, None, "bf16-true") is None  # Lightning converts the module itself
     bf16 = resolve_policy(None, None, "bf16-mixed")
-    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.master_dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.master_dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+    )
     assert resolve_policy("bf16", None, "32-true") == bf16  # an explicit policy overrides the flag
     assert resolve_policy("fp32", None, "bf16-mixed") is None
     with pytest.raises(ValueError, match="16-mixed.*not supported.*bf16-mixed"):
@@ -88,3 +92,21 @@ def test_precision_policy_from_lightning_flags_and_options():
         resolve_policy("bf16", "fp32", "32-true")
     with pytest.raises(ValueError, match="param_dtype must be one of"):
         ZeroConfig(param_dtype="half")
+
+
+def test_global_batch_experiment_derives_accumulation():
+    from pathlib import Path
+
+    from lightning_zero.planning import register_resolvers
+
+    register_resolvers()
+    register_hydra_schema()
+    GlobalHydra.instance().clear()
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=global_batch", "trainer.devices=4"])
+        assert cfg.trainer.accumulate_grad_batches == 128 // (32 * 4)
+        cfg = compose("config", overrides=["+experiment=global_batch", "global_batch=96"])
+        with pytest.raises(Exception, match="96"):
+            _ = cfg.trainer.accumulate_grad_batches  # 96 is no multiple of 32 x 2: an error naming it
+    GlobalHydra.instance().clear()
