@@ -26,6 +26,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import lightning_zero  # noqa: E402
@@ -78,7 +80,8 @@ def launch_kwargs(trainer_cfg: dict) -> dict:
     """
     launch = dict(trainer_cfg.pop("strategy", None) or {})
     multirun_start_method = launch.pop("multirun_start_method", "spawn")
-    if HydraConfig.get().mode == RunMode.MULTIRUN and launch.get("start_method", "popen") == "popen":
+    external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()  # srun/torchrun start every rank
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not external and launch.get("start_method", "popen") == "popen":
         launch["start_method"] = multirun_start_method
     return launch
 
@@ -106,6 +109,7 @@ def main(cfg: DictConfig) -> float:
         callbacks.append(ZeroMonitor())
     if cfg.profile_steps > 0:  # torch.profiler trace of a few steps, one JSON per rank (README: Profiling)
         callbacks.append(ProfileSteps(HydraConfig.get().runtime.output_dir, steps=cfg.profile_steps))
+    callbacks.extend(instantiate(spec) for spec in cfg.callbacks.values())  # +callbacks.NAME._target_=...
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_cfg)
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.callback_metrics["val_loss"])
