@@ -1,0 +1,220 @@
+"""One timed training run of the example GPT on CPU processes (gloo); writes a JSON record.
+
+    python benchmarks/_run_one.py --strategy zero1 --out /tmp/zero1.json
+    python benchmarks/_run_one.py --strategy fsdp --model gpt_tiny --steps 20 --out /tmp/fsdp.json
+
+``bench_step_time.py`` runs this script once per (repeat, strategy), so every run starts in a
+fresh interpreter. Inside, ``Trainer(accelerator="cpu", devices=N)`` launches the ranks with the
+chosen start method (fork by default, the same for every strategy). Each rank times its optimizer
+steps with a :class:`StepTimer` (``perf_counter`` from ``on_train_batch_start`` to
+``on_train_batch_end``, no barrier; beside it the process's CPU time over the same interval) and,
+at the end of training, records its peak RSS and its model-state bytes into ``OUT.rank<r>``; the
+launching process merges these files into ``OUT``.
+
+No validation, no checkpointing, no logger, no progress bar: only training steps are run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: make `examples`, `benchmarks` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+import lightning_zero  # noqa: E402
+from benchmarks.bench_step_time import STRATEGY_NAMES  # noqa: E402
+from benchmarks.fsdp_cpu import CPUFSDPStrategy  # noqa: E402
+from examples.data import CharDataModule  # noqa: E402
+from examples.gpt import GPTLightning  # noqa: E402
+from lightning_zero.memory import measure  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
+    p.add_argument("--out", required=True, type=Path, help="JSON file written by this run")
+    p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml")
+    p.add_argument(
+        "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
+    )
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per batch on each rank")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp and zero0-2 bucket cap, MiB")
+    p.add_argument("--wrap-policy", default="examples.gpt.Block", help="zero3 / fsdp unit class")
+    p.add_argument("--devices", type=int, default=2, help="CPU processes")
+    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def model_config(name: str, overrides: list[str]) -> dict[str, Any]:
+    """The fields of ``configs/model/<name>.yaml``, with ``KEY=VALUE`` overrides applied."""
+    path = REPO_ROOT / "configs" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(f.stem for f in path.parent.glob("*.yaml"))
+        raise SystemExit(f"--model {name!r}: no {path}; known models: {', '.join(known)}")
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in cfg:
+            raise SystemExit(f"--model-arg must be KEY=VALUE with KEY one of {sorted(cfg)}, got {item!r}")
+        cfg[key] = ast.literal_eval(value)
+    return cfg
+
+
+def import_object(dotted: str) -> Any:
+    """``"examples.gpt.Block"`` -> the class ``Block``."""
+    module, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_strategy(name: str, args: argparse.Namespace) -> Strategy:
+    """The strategy object for ``name``; every one is launched with ``args.start_method``."""
+    if name == "ddp":
+        return DDPStrategy(start_method=args.start_method, bucket_cap_mb=args.bucket_cap_mb)
+    if name == "fsdp":
+        unit = import_object(args.wrap_policy)
+        return CPUFSDPStrategy(start_method=args.start_method, auto_wrap_policy={unit})
+    stage = int(name.removeprefix("zero"))
+    extra = {"wrap_policy": args.wrap_policy} if stage == 3 else {}
+    return lightning_zero.ZeroStrategy(
+        stage=stage, start_method=args.start_method, bucket_cap_mb=args.bucket_cap_mb, **extra
+    )
+
+
+class StepTimer(L.Callback):
+    """Wall time of every optimizer step on this rank, and the rank's state after the last one.
+
+    Args:
+        out: the run's JSON path; this rank writes ``<out>.rank<r>`` when training ends.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out  # the run's JSON file (rank files sit next to it)
+        self.step_times: list[float] = []  # wall seconds per optimizer step, in order
+        self.cpu_times: list[float] = []  # CPU seconds of this process (all threads) per step
+        self._start: tuple[float, float] | None = None  # (perf_counter, process_time) at step start
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        assert self._start is not None
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.step_times.append(wall - self._start[0])
+        self.cpu_times.append(cpu - self._start[1])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record = {
+            "rank": trainer.global_rank,
+            "step_times_s": self.step_times,
+            "cpu_times_s": self.cpu_times,
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
+            "num_threads": torch.get_num_threads(),
+            **model_state(trainer),
+        }
+        Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
+
+
+def model_state(trainer: L.Trainer) -> dict[str, Any]:
+    """Model-state bytes on this rank and, for ZeroStrategy, the last step's collectives.
+
+    ``memory_report`` is the strategy's own account. For the baselines the same counting
+    (``lightning_zero.memory.measure``: distinct storages of parameters, their ``.grad`` and the
+    optimizer state) is applied to the wrapped model; torch DDP's gradient buckets and FSDP's
+    unsharded padding buffers are not parameters or grads there, so they are not counted.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, lightning_zero.ZeroStrategy):
+        report = strategy.memory_report()
+        ledger = strategy.ledger
+        last = ledger.steps()[-1] if ledger.steps() else None
+        comm = {op: t._asdict() for op, t in ledger.totals(step=last).items()} if last is not None else {}
+        return {"memory_report": report._asdict(), "memory_source": "memory_report", "last_step_comm": comm}
+    params = list(trainer.model.parameters())
+    report = measure(trainer.model, [p.grad for p in params if p.grad is not None], trainer.optimizers)
+    return {"memory_report": report._asdict(), "memory_source": "measure", "last_step_comm": None}
+
+
+def merge_rank_files(out: Path, devices: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """Read ``<out>.rank<r>`` for every rank, delete them, and write the merged record to ``out``."""
+    ranks = []
+    for rank in range(devices):
+        part = Path(f"{out}.rank{rank}")
+        if not part.is_file():
+            raise SystemExit(f"rank {rank} wrote no record ({part}); did training finish?")
+        ranks.append(json.loads(part.read_text()))
+        part.unlink()
+    record = {**meta, "ranks": ranks}
+    out.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    cfg = model_config(args.model, args.model_arg)
+    data = CharDataModule(
+        block_size=cfg["block_size"],
+        batch_size=args.batch_size,
+        num_train_samples=args.steps * args.batch_size * args.devices,  # one epoch = the run
+        seed=args.seed,
+    )
+    model = GPTLightning(vocab_size=data.vocab_size, **cfg)
+    timer = StepTimer(args.out)
+    with tempfile.TemporaryDirectory(prefix="bench_") as root:
+        trainer = L.Trainer(
+            strategy=build_strategy(args.strategy, args),
+            accelerator="cpu",
+            devices=args.devices,
+            max_steps=args.steps,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=[timer],
+        )
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=data)
+        fit_s = time.perf_counter() - start
+    num_params = sum(p.numel() for p in model.parameters())
+    meta = {
+        "strategy": args.strategy,
+        "model": args.model,
+        "model_config": cfg,
+        "num_parameters": num_params,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "wrap_policy": args.wrap_policy,
+        "devices": args.devices,
+        "start_method": args.start_method,
+        "seed": args.seed,
+        "fit_s": fit_s,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    merge_rank_files(args.out, args.devices, meta)
+
+
+if __name__ == "__main__":
+    main()

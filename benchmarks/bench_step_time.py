@@ -1,0 +1,346 @@
+"""Step time of the ZeRO strategies against Lightning's own, on CPU processes (gloo), interleaved.
+
+    python benchmarks/bench_step_time.py                          # zero0,ddp,zero1,zero2 on gpt_small
+    python benchmarks/bench_step_time.py --json bench.json        # also write every run as JSON
+    python benchmarks/bench_step_time.py --strategies zero3,fsdp,zero0 --baseline fsdp
+    python benchmarks/bench_step_time.py --model gpt_tiny --repeats 2 --steps 30 --warmup 5
+
+For each repeat r = 1..R and each strategy in the list, in that order (A B C A B C ...), one
+training run of the example GPT is started as a fresh process (``benchmarks/_run_one.py``). Rank 0
+times every optimizer step; a run's figure is the median of its steps after the first
+``--warmup``. A strategy's figure is the median of its R run figures; its ratio is that divided by
+the baseline's. The paired ratio divides each run by the baseline's run of the same repeat (run
+moments apart, so it shares the machine's load of the moment) and takes the median over repeats.
+On a shared machine a step takes one of two times, depending on whether another job holds the
+cores at that moment; the 10th-percentile step time (p10) of a run estimates the uncontended
+mode, and the CPU time per step (rank 0's process, all threads) the work done whatever the load;
+both are reported beside the median.
+
+Speed goals are checked here, never in tests; see docs/benchmarks.md for the columns, the
+caveats of CPU and gloo, and measured results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUN_ONE = Path(__file__).resolve().parent / "_run_one.py"  # one timed training run
+MIB = 1024 * 1024
+STRATEGY_NAMES = ("ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")  # what a run can be given
+
+
+class Summary(NamedTuple):
+    strategy: str
+    step_ms: float  # median over repeats of each run's median step time (rank 0), ms
+    run_ms_min: float  # fastest run's median step time, ms
+    run_ms_max: float  # slowest run's median step time, ms
+    ratio: float  # step_ms / the baseline's step_ms
+    paired_ratio: float  # median over repeats of (run / baseline run of the same repeat)
+    paired_min: float  # smallest per-repeat ratio
+    paired_max: float  # largest per-repeat ratio
+    p10_ms: float  # median over repeats of each run's 10th-percentile step time, ms
+    p10_ratio: float  # p10_ms / the baseline's p10_ms
+    cpu_ms: float  # median over repeats of each run's median CPU time per step (rank 0), ms
+    cpu_ratio: float  # cpu_ms / the baseline's cpu_ms
+    peak_rss_mib: list[float]  # per rank: median over repeats of ru_maxrss, MiB
+    model_state_mib: list[dict[str, float]]  # per rank: parameters, gradients, optimizer_states, MiB
+    memory_source: str  # "memory_report" (ZeroStrategy) or "measure" (baselines, same counting)
+    wire_mib_per_step: float | None  # ZeroStrategy: logical bytes one rank sends in the last step, MiB
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategies", default="zero0,ddp,zero1,zero2", help="comma-separated, run in this order")
+    p.add_argument("--baseline", default="ddp", help="strategy the ratios divide by")
+    p.add_argument("--repeats", type=int, default=4, help="runs per strategy (interleaved)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=10, help="first steps of a run left out of its median")
+    p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml: gpt_tiny | gpt_small")
+    p.add_argument(
+        "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="samples per batch on each rank")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp and zero0-2 bucket cap, MiB")
+    p.add_argument("--wrap-policy", default="examples.gpt.Block", help="zero3 / fsdp unit class")
+    p.add_argument("--devices", type=int, default=2, help="CPU processes per run")
+    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", type=Path, default=None, help="write the summary and every run here")
+    p.add_argument(
+        "--also-vs",
+        default="auto",
+        help="comma-separated strategies for extra ratio tables; auto: zero0 when listed and not the baseline",
+    )
+    p.add_argument("--report", type=Path, default=None, help="print the tables of a --json file; run nothing")
+    args = p.parse_args(argv)
+    if args.report is not None:
+        return args
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a bad combination before the first run starts, naming what to change."""
+    unknown = [s for s in args.strategies if s not in STRATEGY_NAMES]
+    if unknown:
+        raise SystemExit(f"--strategies: unknown {unknown}; known: {', '.join(STRATEGY_NAMES)}")
+    if len(set(args.strategies)) != len(args.strategies):
+        raise SystemExit(f"--strategies lists a strategy twice: {args.strategies}")
+    if args.baseline not in args.strategies:
+        raise SystemExit(f"--baseline {args.baseline!r} must be one of --strategies {args.strategies}")
+    if args.repeats < 1 or args.devices < 1:
+        raise SystemExit(f"--repeats and --devices must be >= 1, got {args.repeats}, {args.devices}")
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    if "zero3" in args.strategies and not zero3_registered():
+        raise SystemExit("zero3 is not registered by this lightning_zero build; leave it out of --strategies")
+
+
+def zero3_registered() -> bool:
+    """Whether importing lightning_zero registers ``zero3`` (asked in a child: keeps this process light)."""
+    code = "import lightning_zero; from lightning.pytorch.strategies import StrategyRegistry as R; print('zero3' in R)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    return done.returncode == 0 and done.stdout.strip().endswith("True")
+
+
+def child_env(devices: int) -> dict[str, str]:
+    """The environment of a run: one intra-op thread per core and rank, unless set by the caller."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def run_command(strategy: str, out: Path, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, str(RUN_ONE), "--strategy", strategy, "--out", str(out)]
+    cmd += ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--wrap-policy", args.wrap_policy]
+    cmd += ["--devices", str(args.devices), "--start-method", args.start_method, "--seed", str(args.seed)]
+    for item in args.model_arg:
+        cmd += ["--model-arg", item]
+    return cmd
+
+
+def run_one(strategy: str, repeat: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Run one training in a fresh process; return its record with the run's median step time."""
+    out = workdir / f"r{repeat}_{strategy}.json"
+    start = time.perf_counter()
+    command = run_command(strategy, out, args)
+    env = child_env(args.devices)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=900)
+    if done.returncode != 0 or not out.is_file():
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise SystemExit(f"run {strategy} (repeat {repeat}) failed with exit code {done.returncode}:\n{tail}")
+    record = json.loads(out.read_text())
+    record["repeat"] = repeat
+    record["wall_s"] = time.perf_counter() - start
+    rank0 = record["ranks"][0]
+    timed = rank0["step_times_s"][args.warmup :]  # rank 0, after warm-up
+    record["median_step_s"] = statistics.median(timed)
+    record["p10_step_s"] = percentile(timed, 0.10)
+    record["median_cpu_s"] = statistics.median(rank0["cpu_times_s"][args.warmup :])
+    return record
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linearly interpolated (q=0.5 is the median)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def median_ms(runs: list[dict[str, Any]], key: str) -> float:
+    """Median over ``runs`` of the per-run figure ``key`` (seconds), in ms."""
+    return statistics.median(r[key] for r in runs) * 1e3
+
+
+def summarize(runs: list[dict[str, Any]], strategies: list[str], baseline: str) -> list[Summary]:
+    """One :class:`Summary` per strategy from the runs of all repeats."""
+    by = {(r["strategy"], r["repeat"]): r for r in runs}
+    repeats = sorted({r["repeat"] for r in runs})
+    base = [by[baseline, k] for k in repeats]
+    rows = []
+    for name in strategies:
+        mine = [by[name, k] for k in repeats]
+        medians = [r["median_step_s"] * 1e3 for r in mine]
+        paired = [m["median_step_s"] / b["median_step_s"] for m, b in zip(mine, base)]
+        rows.append(
+            Summary(
+                strategy=name,
+                step_ms=median_ms(mine, "median_step_s"),
+                run_ms_min=min(medians),
+                run_ms_max=max(medians),
+                ratio=median_ms(mine, "median_step_s") / median_ms(base, "median_step_s"),
+                paired_ratio=statistics.median(paired),
+                paired_min=min(paired),
+                paired_max=max(paired),
+                p10_ms=median_ms(mine, "p10_step_s"),
+                p10_ratio=median_ms(mine, "p10_step_s") / median_ms(base, "p10_step_s"),
+                cpu_ms=median_ms(mine, "median_cpu_s"),
+                cpu_ratio=median_ms(mine, "median_cpu_s") / median_ms(base, "median_cpu_s"),
+                peak_rss_mib=peak_rss(mine),
+                model_state_mib=model_state(mine[-1]),
+                memory_source=mine[-1]["ranks"][0]["memory_source"],
+                wire_mib_per_step=wire_per_step(mine[-1]),
+            )
+        )
+    return rows
+
+
+def peak_rss(runs: list[dict[str, Any]]) -> list[float]:
+    """Per rank, the median over runs of the rank's peak resident set size, MiB."""
+    ranks = range(len(runs[0]["ranks"]))
+    return [statistics.median(r["ranks"][i]["peak_rss_kib"] for r in runs) / 1024 for i in ranks]
+
+
+def model_state(run: dict[str, Any]) -> list[dict[str, float]]:
+    """Per rank, the model-state bytes after the last optimizer step, MiB."""
+    return [{k: v / MIB for k, v in rank["memory_report"].items()} for rank in run["ranks"]]
+
+
+def wire_per_step(run: dict[str, Any]) -> float | None:
+    """Rank 0's logical bytes sent in the last step (ring model, see lightning_zero.comm.ledger), MiB."""
+    comm = run["ranks"][0]["last_step_comm"]
+    if comm is None:
+        return None
+    return sum(op["wire_bytes"] for op in comm.values()) / MIB
+
+
+def timing_table(rows: list[Summary], baseline: str) -> str:
+    """Markdown: step times and their ratios against ``baseline``."""
+    lines = [
+        f"| strategy | step ms (median) | run medians min-max | ratio vs {baseline} "
+        "| paired ratio (min-max) | p10 step ms | p10 ratio | CPU ms/step | CPU ratio |",
+        "|" + "---|" * 9,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.strategy} | {r.step_ms:.1f} | {r.run_ms_min:.1f}-{r.run_ms_max:.1f} | {r.ratio:.3f} "
+            f"| {r.paired_ratio:.3f} ({r.paired_min:.3f}-{r.paired_max:.3f}) "
+            f"| {r.p10_ms:.1f} | {r.p10_ratio:.3f} | {r.cpu_ms:.1f} | {r.cpu_ratio:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_table(rows: list[Summary]) -> str:
+    """Markdown: peak RSS, model-state bytes and logical traffic per rank."""
+    lines = [
+        "| strategy | peak RSS MiB per rank | params / grads / optim MiB (rank 0) | sent MiB/step |",
+        "|" + "---|" * 4,
+    ]
+    for r in rows:
+        state = r.model_state_mib[0]
+        mark = "" if r.memory_source == "memory_report" else "*"
+        wire = "-" if r.wire_mib_per_step is None else f"{r.wire_mib_per_step:.2f}"
+        lines.append(
+            f"| {r.strategy} | {' / '.join(f'{m:.0f}' for m in r.peak_rss_mib)} "
+            f"| {state['parameters']:.2f} / {state['gradients']:.2f} / {state['optimizer_states']:.2f}{mark} "
+            f"| {wire} |"
+        )
+    return "\n".join(lines)
+
+
+def source_revision() -> dict[str, Any]:
+    """The checkout's commit and whether the code under test differs from it (read-only git queries)."""
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=REPO_ROOT)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    status = git("status", "--porcelain", "--", "lightning_zero", "examples", "configs")
+    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted_changes": bool(status)}
+
+
+def machine(devices: int) -> dict[str, Any]:
+    """Where and with what the benchmark ran."""
+    import lightning
+    import torch
+
+    return {
+        **source_revision(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "backend": "gloo",
+        "omp_num_threads": child_env(devices)["OMP_NUM_THREADS"],  # intra-op threads per rank
+    }
+
+
+def progress_line(record: dict[str, Any], repeats: int) -> str:
+    return (
+        f"repeat {record['repeat']}/{repeats}  {record['strategy']:<6}"
+        f"  median step {record['median_step_s'] * 1e3:7.1f} ms  p10 {record['p10_step_s'] * 1e3:7.1f} ms"
+        f"  CPU {record['median_cpu_s'] * 1e3:7.1f} ms  (run {record['wall_s']:.1f} s)"
+    )
+
+
+def extra_references(also_vs: str, strategies: list[str], baseline: str) -> list[str]:
+    """The strategies named by ``--also-vs`` that the runs include, baseline excluded."""
+    names = ["zero0"] if also_vs == "auto" else [s.strip() for s in also_vs.split(",") if s.strip()]
+    return [n for n in names if n in strategies and n != baseline]
+
+
+def print_report(payload: dict[str, Any], also_vs: str = "auto") -> list[Summary]:
+    """Print the tables of a benchmark's JSON payload; return its rows (against its baseline)."""
+    settings = payload["settings"]
+    rows = [Summary(**row) for row in payload["summary"]]
+    print(timing_table(rows, settings["baseline"]))
+    print()
+    for name in extra_references(also_vs, settings["strategies"], settings["baseline"]):
+        print(timing_table(summarize(payload["runs"], settings["strategies"], name), name))
+        print()
+    print(memory_table(rows))
+    if any(r.memory_source != "memory_report" for r in rows):
+        print("\n\\* baseline memory counted with lightning_zero.memory.measure (see docs/benchmarks.md)")
+    print(
+        f"\n{len(payload['runs'])} runs in {payload['total_s'] / 60:.1f} min"
+        f" ({' '.join([settings['model'], *settings['model_arg']])}, batch {settings['batch_size']},"
+        f" {settings['steps']} steps, rank 0's steps after the first {settings['warmup']})"
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[Summary]:
+    args = parse_args(argv)
+    if args.report is not None:
+        return print_report(json.loads(args.report.read_text()), args.also_vs)
+    setting = machine(args.devices)  # before the runs: the code they run is the code at the start
+    runs = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_step_time_") as tmp:
+        for repeat in range(1, args.repeats + 1):
+            for name in args.strategies:
+                record = run_one(name, repeat, args, Path(tmp))
+                runs.append(record)
+                print(progress_line(record, args.repeats), file=sys.stderr, flush=True)
+    payload = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": setting,
+        "total_s": time.perf_counter() - started,
+        "summary": [r._asdict() for r in summarize(runs, args.strategies, args.baseline)],
+        "runs": runs,
+    }
+    if args.json is not None:
+        args.json.write_text(json.dumps(payload))
+    return print_report(payload, args.also_vs)
+
+
+if __name__ == "__main__":
+    main()
