@@ -11,6 +11,7 @@ from lightning_zero.engines import make_engine
 from lightning_zero.grad_sync import broadcast_module_states
 from lightning_zero.memory import measure
 from lightning_zero.precision import resolve_policy
+from tests.compare import max_diff
 from tests.distributed import models
 from tests.distributed.harness import run_ranks
 
@@ -87,10 +88,6 @@ def test_bytes_on_the_wire_halve(tmp_path):
     assert fp32[0]["reduce_bytes"] == 4 * PSI
 
 
-def _worst(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
-
-
 def test_stages_agree_and_checkpoints_hold_fp32_masters(tmp_path):
     # SGD: an update linear in the gradient, so a difference shows the reduction, not Adam's
     # normalisation (which turns any difference in a near-zero gradient into one of size lr)
@@ -100,6 +97,6 @@ def test_stages_agree_and_checkpoints_hold_fp32_masters(tmp_path):
         assert all(v.dtype == torch.float32 for v in r[stage]["state"].values())  # fp32 masters, not bf16
     for stage in (1, 2, 3):
         # bf16 sums of the same two bf16 gradients, in another order: within bf16 rounding of lr x grad
-        assert _worst(r[stage]["state"], r[0]["state"]) <= 1e-3, stage
+        assert max_diff(r[stage]["state"], r[0]["state"]) <= 1e-3, stage
     # bf16 compute stays close to fp32 compute over three steps
-    assert _worst(r[0]["state"], fp32) <= 1e-2
+    assert max_diff(r[0]["state"], fp32) <= 1e-2

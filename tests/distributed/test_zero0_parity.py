@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.comm import Communicator
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import UnusedParametersError, broadcast_module_states, wrap_module
+from tests.compare import max_diff
 from tests.distributed import models
 from tests.distributed.harness import run_ranks
 
@@ -93,11 +94,6 @@ def _single_process(scenario: dict, world: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def _scenario(optimizer: str, accumulate: int = 1, micro_batches: int = 4, model=None, **config) -> dict:
     config.setdefault("bucket_cap_mb", 0.004)  # ~1000 fp32 elements: several buckets
     config.setdefault("first_bucket_cap_mb", 0.001)
@@ -116,9 +112,9 @@ def test_parity_with_ddp_and_single_process(tmp_path, optimizer):
     results = run_ranks(_zero_and_ddp, 2, tmp_path, scenario)
     single = _single_process(scenario, 2)
     for r in results:
-        assert _max_diff(r["zero"]["params"], r["ddp"]) <= TOL
-        assert _max_diff(r["zero"]["params"], single) <= TOL
-    assert _max_diff(results[0]["zero"]["params"], results[1]["zero"]["params"]) == 0.0
+        assert max_diff(r["zero"]["params"], r["ddp"]) <= TOL
+        assert max_diff(r["zero"]["params"], single) <= TOL
+    assert max_diff(results[0]["zero"]["params"], results[1]["zero"]["params"]) == 0.0
 
 
 def test_accumulation_uneven_epoch_no_collective_in_window(tmp_path):
@@ -129,8 +125,8 @@ def test_accumulation_uneven_epoch_no_collective_in_window(tmp_path):
     for r in results:
         assert r["zero"]["steps"] == 2
         assert r["zero"]["blocked_calls"] == 0
-        assert _max_diff(r["zero"]["params"], r["ddp"]) <= TOL
-        assert _max_diff(r["zero"]["params"], single) <= TOL
+        assert max_diff(r["zero"]["params"], r["ddp"]) <= TOL
+        assert max_diff(r["zero"]["params"], single) <= TOL
 
 
 def test_counted_collectives_equal_buckets_and_gradient_bytes(tmp_path):
@@ -154,8 +150,8 @@ def test_frozen_and_tied_parameters(tmp_path):
     results = run_ranks(_zero_and_ddp, 2, tmp_path, scenario)
     single = _single_process(scenario, 2)
     zero = results[0]["zero"]
-    assert _max_diff(zero["params"], results[0]["ddp"]) <= TOL
-    assert _max_diff(zero["params"], single) <= TOL
+    assert max_diff(zero["params"], results[0]["ddp"]) <= TOL
+    assert max_diff(zero["params"], single) <= TOL
     # tied weight reduced once: bytes == unique trainable parameter bytes
     step0 = [r for r in zero["ledger"] if r.step == 1 and r.name.startswith("zero0/all_reduce/bucket")]
     assert sum(r.payload_bytes for r in step0) == zero["grad_bytes"]
@@ -183,7 +179,7 @@ def test_find_unused_parameters_matches_ddp(tmp_path):
     scenario = _scenario("adamw", micro_batches=4, model={"unused": True}, find_unused_parameters=True)
     results = run_ranks(_zero_and_ddp, 2, tmp_path, scenario)
     for r in results:
-        assert _max_diff(r["zero"]["params"], r["ddp"]) <= TOL
+        assert max_diff(r["zero"]["params"], r["ddp"]) <= TOL
     initial = models.build(seed=100, unused=True)
     # globally unused: untouched by AdamW (grad stays None, as with DDP)
     assert torch.equal(results[0]["zero"]["params"]["extra.weight"], initial.extra.weight.detach())
@@ -203,5 +199,5 @@ def test_four_ranks(tmp_path):
     results = run_ranks(_zero_and_ddp, 4, tmp_path, scenario)
     single = _single_process(scenario, 4)
     for r in results:
-        assert _max_diff(r["zero"]["params"], r["ddp"]) <= TOL
-        assert _max_diff(r["zero"]["params"], single) <= TOL
+        assert max_diff(r["zero"]["params"], r["ddp"]) <= TOL
+        assert max_diff(r["zero"]["params"], single) <= TOL

@@ -12,6 +12,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import broadcast_module_states, trainable_parameters, wrap_module
 from lightning_zero.memory import measure
 from lightning_zero.zero import ShardedParams, ShardingError, param_group_keys
+from tests.compare import max_diff, state_diff
 from tests.distributed import models
 from tests.distributed.harness import run_ranks
 
@@ -85,26 +86,13 @@ def _all_stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
     return {stage: _train(rank, world, stage, sc) for stage in stages}
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _state_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    assert a["state"].keys() == b["state"].keys()
-    for idx, entry in a["state"].items():
-        for key, value in entry.items():
-            worst = max(worst, (value.float() - b["state"][idx][key].float()).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 def test_stages_match_zero0(tmp_path, optimizer):
     sc = {"optimizer": optimizer, "accumulate": 1, "micro_batches": 3}
     for r in run_ranks(_all_stages, 2, tmp_path, (0, 1, 2), sc):
         for stage in (1, 2):
-            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
-            assert _state_diff(r[stage]["state"], r[0]["state"]) <= TOL
+            assert max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+            assert state_diff(r[stage]["state"], r[0]["state"]) <= TOL
             assert r[stage]["lr"] == r[0]["lr"]  # the scheduler reached the sharded step
 
 
@@ -113,8 +101,8 @@ def test_three_ranks_buckets_with_padding(tmp_path):
     sc = {"optimizer": "adamw", "accumulate": 2, "micro_batches": 4, "clip": 0.05}
     for r in run_ranks(_all_stages, 3, tmp_path, (0, 1, 2), sc):
         for stage in (1, 2):
-            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
-            assert _state_diff(r[stage]["state"], r[0]["state"]) <= TOL
+            assert max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+            assert state_diff(r[stage]["state"], r[0]["state"]) <= TOL
 
 
 def test_accumulation_and_norm_clipping_four_ranks(tmp_path):
@@ -122,7 +110,7 @@ def test_accumulation_and_norm_clipping_four_ranks(tmp_path):
     results = run_ranks(_all_stages, 4, tmp_path, (0, 1, 2), sc)
     for r in results:
         for stage in (1, 2):
-            assert _max_diff(r[stage]["params"], r[0]["params"]) <= TOL
+            assert max_diff(r[stage]["params"], r[0]["params"]) <= TOL
     zero1 = results[0][1]
     assert zero1["blocked"] == 0  # zero1 keeps no_sync: nothing inside the window
     assert results[0][2]["blocked"] > 0  # zero2 reduce-scatters every micro-batch by default
@@ -132,7 +120,7 @@ def test_zero2_accumulate_unsharded_uses_no_sync(tmp_path):
     sc = {"optimizer": "adamw", "accumulate": 2, "micro_batches": 4, "config": {"accumulate_unsharded": True}}
     r = run_ranks(_all_stages, 2, tmp_path, (0, 2), sc)[0]
     assert r[2]["blocked"] == 0
-    assert _max_diff(r[2]["params"], r[0]["params"]) <= TOL
+    assert max_diff(r[2]["params"], r[0]["params"]) <= TOL
 
 
 def test_traffic_equals_zero0(tmp_path):

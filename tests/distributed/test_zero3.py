@@ -12,6 +12,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import make_engine
 from lightning_zero.grad_sync import broadcast_module_states
 from lightning_zero.memory import measure
+from tests.compare import max_diff, state_diff
 from tests.distributed import models
 from tests.distributed.harness import run_ranks
 
@@ -84,20 +85,6 @@ def _stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
     return {stage: _train(rank, world, stage, sc) for stage in stages}
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _state_diff(a: dict, b: dict) -> float:
-    assert a["state"].keys() == b["state"].keys()
-    return max(
-        (v.float() - b["state"][i][k].float()).abs().max().item()
-        for i, e in a["state"].items()
-        for k, v in e.items()
-    )
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_zero0(tmp_path, world):
     sc = {
@@ -109,8 +96,8 @@ def test_parity_with_zero0(tmp_path, world):
         "validate_between": True,
     }
     for r in run_ranks(_stages, world, tmp_path, (0, 3), sc):
-        assert _max_diff(r[3]["params"], r[0]["params"]) <= TOL
-        assert _state_diff(r[3]["optimizer"], r[0]["optimizer"]) <= TOL
+        assert max_diff(r[3]["params"], r[0]["params"]) <= TOL
+        assert state_diff(r[3]["optimizer"], r[0]["optimizer"]) <= TOL
         assert r[3]["optimizer"]["param_groups"] == r[0]["optimizer"]["param_groups"]
 
 

@@ -62,7 +62,9 @@ def test_trace_names_and_overlap(tmp_path):
     assert {f"zero3/all_gather/unit=blocks.{i}" for i in range(4)} | {"zero3/all_gather/unit=root"} <= names
     assert len(launches) == 2 * 5 - 1  # root + 4 blocks: 2L-1 gathers
     main = launches[0]["tid"]
-    compute = [e for e in events if e["tid"] == main and e["name"] in ("aten::addmm", "aten::mm", "aten::relu")]
+    compute = [
+        e for e in events if e["tid"] == main and e["name"] in ("aten::addmm", "aten::mm", "aten::relu")
+    ]
     gathers = [e for e in events if e["name"].startswith("gloo:all_gather") and e["tid"] != main]
     assert gathers, "the backend's gathers run on its own thread"
 

@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
+from tests.compare import max_diff, state_diff
 from tests.integration.lit import LitTiny, SaveRankParams
 
 TOL = 1e-6
@@ -39,35 +40,22 @@ def _fit(strategy: str, out_dir, *, max_epochs: int, ckpt_path=None, checkpoint=
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
-def _max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _state_diff(a: dict, b: dict) -> float:
-    assert a["state"].keys() == b["state"].keys()
-    return max(
-        (v.float() - b["state"][i][k].float()).abs().max().item()
-        for i, e in a["state"].items()
-        for k, v in e.items()
-    )
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_parity_checkpoint_and_single_process_load(tmp_path, stage):
     zero0 = _fit("zero0_spawn", tmp_path / "zero0", max_epochs=2, checkpoint=True)
     sharded = _fit(f"zero{stage}_spawn", tmp_path / "sharded", max_epochs=2, checkpoint=True)
-    assert _max_diff(sharded[0], sharded[1]) == 0.0
-    assert _max_diff(sharded[0], zero0[0]) <= TOL
+    assert max_diff(sharded[0], sharded[1]) == 0.0
+    assert max_diff(sharded[0], zero0[0]) <= TOL
     # the checkpoint holds the full model and the consolidated optimizer state under the usual keys
     ckpt = torch.load(tmp_path / "sharded" / "ckpt" / "last.ckpt", weights_only=False)
     ref = torch.load(tmp_path / "zero0" / "ckpt" / "last.ckpt", weights_only=False)
-    assert _state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
+    assert state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
     assert ckpt["optimizer_states"][0]["param_groups"] == ref["optimizer_states"][0]["param_groups"]
     assert ckpt["lr_schedulers"] == ref["lr_schedulers"]
     # a plain single process loads it, weights and optimizer alike
     model = LitTiny.load_from_checkpoint(tmp_path / "sharded" / "ckpt" / "last.ckpt")
     assert (
-        _max_diff(
+        max_diff(
             {n: p for n, p in model.named_parameters()},
             {k: v for k, v in sharded[0].items() if k != "global_step"},
         )
@@ -90,7 +78,7 @@ def test_resume_continues_exactly(tmp_path, stage):
         ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt",
     )
     assert resumed[0]["global_step"].item() == full[0]["global_step"].item()
-    assert _max_diff(resumed[0], full[0]) <= TOL
+    assert max_diff(resumed[0], full[0]) <= TOL
 
 
 def test_sharded_stage_on_one_process_trains_with_a_warning(tmp_path):

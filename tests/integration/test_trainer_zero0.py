@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
+from tests.compare import max_diff
 from tests.integration.lit import LitTiny, SaveRankParams, TokenData
 
 TOL = 1e-6
@@ -37,10 +38,6 @@ def _fit(strategy, out_dir, *, manual=False, accumulate=4):
     return model, trainer, ranks
 
 
-def _max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def _expected_val_loss(model: LitTiny) -> float:
     ds = TokenData(8, seed=2)
     losses = []
@@ -55,8 +52,8 @@ def test_zero0_matches_lightning_ddp_with_accumulation(tmp_path):
     zero_model, trainer, zero_ranks = _fit("zero0_spawn", tmp_path / "zero")
     _, _, ddp_ranks = _fit("ddp_spawn", tmp_path / "ddp")
     assert isinstance(trainer.strategy, ZeroStrategy)
-    assert _max_diff(zero_ranks[0], zero_ranks[1]) == 0.0
-    assert _max_diff(zero_ranks[0], ddp_ranks[0]) <= TOL
+    assert max_diff(zero_ranks[0], zero_ranks[1]) == 0.0
+    assert max_diff(zero_ranks[0], ddp_ranks[0]) <= TOL
     # 7 batches per epoch, accumulate 4: steps at 4 and 7 per epoch, 2 epochs
     assert zero_ranks[0]["global_step"].item() == 4
     # sync_dist logging and the torchmetrics metric equal the global value
@@ -68,4 +65,4 @@ def test_zero0_matches_lightning_ddp_with_accumulation(tmp_path):
 def test_manual_optimization_toggle_model(tmp_path):
     _, _, zero_ranks = _fit(ZeroStrategy(start_method="spawn"), tmp_path / "zero", manual=True)
     _, _, ddp_ranks = _fit("ddp_spawn", tmp_path / "ddp", manual=True)
-    assert _max_diff(zero_ranks[1], ddp_ranks[1]) <= TOL
+    assert max_diff(zero_ranks[1], ddp_ranks[1]) <= TOL

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
+from tests.compare import max_diff, state_diff
 from tests.integration.lit import LitTiny, SaveRankParams
 
 TOL = 1e-6
@@ -49,38 +50,25 @@ def _ranks(out_dir):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
-def _max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _state_diff(a: dict, b: dict) -> float:
-    assert a["state"].keys() == b["state"].keys()
-    return max(
-        (v.float() - b["state"][i][k].float()).abs().max().item()
-        for i, e in a["state"].items()
-        for k, v in e.items()
-    )
-
-
 def test_zero3_fit_checkpoint_load_and_evaluate(tmp_path):
     _trainer(0, tmp_path / "zero0", max_epochs=2, checkpoint=True).fit(LitTiny(groups=True, stack=True))
     model = LitTiny(groups=True, stack=True)
     trainer = _trainer(3, tmp_path / "zero3", max_epochs=2, checkpoint=True)
     trainer.fit(model)
     zero0, zero3 = _ranks(tmp_path / "zero0"), _ranks(tmp_path / "zero3")
-    assert _max_diff(zero3[0], zero3[1]) == 0.0
-    assert _max_diff(zero3[0], zero0[0]) <= TOL
+    assert max_diff(zero3[0], zero3[1]) == 0.0
+    assert max_diff(zero3[0], zero0[0]) <= TOL
     ckpt = torch.load(tmp_path / "zero3" / "ckpt" / "last.ckpt", weights_only=False)
     ref = torch.load(tmp_path / "zero0" / "ckpt" / "last.ckpt", weights_only=False)
     assert ckpt["state_dict"].keys() == ref["state_dict"].keys()  # original names, tied ones too
-    assert _max_diff(ckpt["state_dict"], ref["state_dict"]) <= TOL
-    assert _state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
+    assert max_diff(ckpt["state_dict"], ref["state_dict"]) <= TOL
+    assert state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
     # a plain single process loads it
     loaded = LitTiny.load_from_checkpoint(tmp_path / "zero3" / "ckpt" / "last.ckpt")
-    assert _max_diff(dict(loaded.named_parameters()), ckpt["state_dict"]) == 0.0
+    assert max_diff(dict(loaded.named_parameters()), ckpt["state_dict"]) == 0.0
     # teardown left a full module, which the launcher handed back to this process; evaluate it
     final = {k: v for k, v in zero3[0].items() if k != "global_step"}
-    assert _max_diff(dict(model.named_parameters()), final) <= TOL
+    assert max_diff(dict(model.named_parameters()), final) <= TOL
     tester = Trainer(
         strategy=_strategy(3), accelerator="cpu", devices=2, logger=False, enable_progress_bar=False
     )
@@ -96,4 +84,4 @@ def test_zero3_resume_continues_exactly(tmp_path):
     resumed.fit(LitTiny(groups=True, stack=True), ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt")
     full, again = _ranks(tmp_path / "full"), _ranks(tmp_path / "resumed")
     assert again[0]["global_step"].item() == full[0]["global_step"].item()
-    assert _max_diff(again[0], full[0]) <= TOL
+    assert max_diff(again[0], full[0]) <= TOL
