@@ -81,7 +81,11 @@ def launch_kwargs(trainer_cfg: dict) -> dict:
     launch = dict(trainer_cfg.pop("strategy", None) or {})
     multirun_start_method = launch.pop("multirun_start_method", "spawn")
     external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()  # srun/torchrun start every rank
-    if HydraConfig.get().mode == RunMode.MULTIRUN and not external and launch.get("start_method", "popen") == "popen":
+    if (
+        HydraConfig.get().mode == RunMode.MULTIRUN
+        and not external
+        and launch.get("start_method", "popen") == "popen"
+    ):
         launch["start_method"] = multirun_start_method
     return launch
 
