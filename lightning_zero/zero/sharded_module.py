@@ -40,6 +40,21 @@ from lightning_zero.zero.flat_param import FlatParameter, full_parameters, state
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
 
+class GatherMeter:
+    """Bytes of full parameters held gathered right now, and the most held at once since a reset."""
+
+    def __init__(self) -> None:
+        self.now = 0  # bytes gathered (storage resized up) at this moment
+        self.peak = 0  # the most at once since reset()
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def reset(self) -> None:
+        self.peak = self.now
+
+
 class ShardedUnit:
     """One wrap unit: its flat parameter, gathered or sharded, and its backward bookkeeping."""
 
@@ -78,6 +93,7 @@ class ShardedUnit:
         self.views = [full[o : o + p.numel()].view_as(p) for o, p in zip(self.flat.offsets, ordered)]
         self.placeholder = torch.empty(0, dtype=full.dtype, device=full.device)  # .data while sharded
         self.gathered = False  # params point into a complete `full`
+        self.meter: GatherMeter | None = None  # shared by the units of one model, set by ZeroThree
         self.gather_handle: Handle | None = None  # in-flight AllGather
         self.pending = len(ordered)  # parameters whose gradient is not yet accumulated this backward
         self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
@@ -105,6 +121,7 @@ class ShardedUnit:
         if not self.gathered and self.gather_handle is None:
             storage = self.full.untyped_storage()
             storage.resize_(self.full.numel() * self.full.element_size())
+            self._count(storage.nbytes())
             name = f"{self.label}/all_gather/unit={self.name}"
             self.gather_handle = self.comm.all_gather(self.full, self.param_shard, name=name)
         if wait:
@@ -123,14 +140,22 @@ class ShardedUnit:
         self._finish_gather()
         for p in self.params:
             p.data = self.placeholder
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self._free_full()
 
     def release(self) -> None:
         """Teardown: the parameters hold values of their own now; free ``full`` for good."""
         self._finish_gather()
-        self.full.untyped_storage().resize_(0)
+        self._free_full()
+
+    def _free_full(self) -> None:
+        storage = self.full.untyped_storage()
+        self._count(-storage.nbytes())
+        storage.resize_(0)
         self.gathered = False
+
+    def _count(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.add(nbytes)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -219,6 +244,9 @@ class ZeroThree:
         self._recording = True  # recording the forward order
         self._finalize_queued = False  # end-of-backward callback queued
         self._unit_of = {id(p): u for u in self.units for p in u.params}  # id(param) -> its unit
+        self.meter = GatherMeter()  # full parameters held gathered, now and at most
+        for unit in self.units:
+            unit.meter = self.meter
         self._handles = self._register_hooks(root)
 
     def _build_units(

@@ -170,3 +170,31 @@ def test_errors_and_calls_outside_forward(tmp_path):
     assert "Conv2d match no module" in no_match and "Block" in no_match and "Linear" in no_match
     tied = run_ranks(_outside_forward, 2, tmp_path, "tied_across")[0]
     assert "emb.weight" in tied and "head.weight" in tied and "one unit" in tied
+
+
+def _peak(rank: int, world: int, prefetch: bool) -> dict:
+    model = models.build_stack(seed=1, blocks=4)
+    comm = Communicator()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = ZeroConfig(stage=3, wrap_policy=BLOCK, prefetch=prefetch)
+    engine = make_engine(config, comm)
+    wrapped = engine.setup(model, [optimizer])
+    batches = models.global_batches(3, world)
+    for batch in batches:
+        engine.zero3.meter.reset()
+        wrapped(*models.rank_slice(batch, rank)).backward()
+        optimizer.step()
+        engine.after_step(optimizer, 0)
+        optimizer.zero_grad()
+    sizes = {u.name: u.full.numel() * u.full.element_size() for u in engine.zero3.units}
+    return {"peak": engine.zero3.meter.peak, "now": engine.zero3.meter.now, "sizes": sizes}
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_peak_gathered_memory_is_bounded(tmp_path, prefetch):
+    r = run_ranks(_peak, 2, tmp_path, prefetch)[0]
+    block = max(v for k, v in r["sizes"].items() if k != "root")
+    ahead = 1 if prefetch else 0  # prefetch_limit units in flight beside the one computing
+    # the root stays gathered through the step; at most one block computing and `ahead` arriving
+    assert r["peak"] == r["sizes"]["root"] + (1 + ahead) * block
+    assert r["now"] == 0  # everything released between steps
