@@ -6,7 +6,8 @@ Lightning's StrategyRegistry, so ``Trainer(strategy="zero0")`` works. Importing 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.callbacks import ZeroMonitor  # noqa: E402  (after the strategy it reads)
+from lightning_zero.callbacks import ZeroMonitor
+from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.comm import CommLedger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import UnusedParametersError
@@ -14,5 +15,12 @@ from lightning_zero.strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommLedger", "UnusedParametersError", "ZeroConfig", "ZeroMonitor", "ZeroStrategy"]
+__all__ = [
+    "CheckpointError",
+    "CommLedger",
+    "UnusedParametersError",
+    "ZeroConfig",
+    "ZeroMonitor",
+    "ZeroStrategy",
+]
 __version__ = "0.1.0"

@@ -312,6 +312,12 @@ def sharded_optimizer_state(
     """
     names = _names(module).of
     groups = _group_params(engine, optimizer, index)
+    if any(id(p) not in names for params in groups for p in params):
+        raise CheckpointError(
+            f"{type(optimizer).__name__} {index} steps tensors that are not parameters of "
+            f"{type(module).__name__} (after fitting, a sharded stage's optimizer keeps the shards it "
+            "stepped): save checkpoints while fitting, e.g. with ModelCheckpoint"
+        )
     if engine is not None and engine.sharded:
         state = _sub_shard_pieces(engine, optimizer, index, names)
     else:
@@ -464,15 +470,23 @@ def save_full(
     checkpoint_io: CheckpointIO,
     storage_options: Any = None,
 ) -> None:
-    """Rank 0 writes ``checkpoint`` as one file (written aside, then renamed into place when the
-    default TorchCheckpointIO writes a local path); every rank calls it."""
+    """Rank 0 writes ``checkpoint`` as one file; every rank calls it.
+
+    With the default TorchCheckpointIO and a local path, rank 0 streams it into ``.NAME.partial``
+    and renames that into place (TorchCheckpointIO itself would first serialize the whole file
+    into memory, doubling rank 0's peak); any other CheckpointIO writes as it writes.
+    """
     if comm.rank == 0:
-        if type(checkpoint_io) is TorchCheckpointIO and "://" not in str(path):
+        local = (
+            type(checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
+        )
+        if local:
             partial = _sibling(Path(path), "partial")
+            partial.parent.mkdir(parents=True, exist_ok=True)
             _remove(partial)
-            checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+            _write_synced(checkpoint, partial)
             _publish(partial, Path(path))
-        else:  # another CheckpointIO (remote, asynchronous) owns how the file appears
+        else:
             checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
     comm.barrier(name="checkpoint/barrier/published")
 

@@ -65,7 +65,7 @@ def test_zero3_fit_checkpoint_load_and_evaluate(tmp_path):
     assert state_diff(ckpt["optimizer_states"][0], ref["optimizer_states"][0]) <= TOL
     # a plain single process loads it
     loaded = LitTiny.load_from_checkpoint(tmp_path / "zero3" / "ckpt" / "last.ckpt")
-    assert max_diff(dict(loaded.named_parameters()), ckpt["state_dict"]) == 0.0
+    assert max_diff(ckpt["state_dict"], dict(loaded.named_parameters())) == 0.0
     # teardown left a full module, which the launcher handed back to this process; evaluate it
     final = {k: v for k, v in zero3[0].items() if k != "global_step"}
     assert max_diff(dict(model.named_parameters()), final) <= TOL
