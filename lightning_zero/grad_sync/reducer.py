@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,6 +44,25 @@ from torch.nn import Parameter
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, plan_buckets
+
+
+@contextmanager
+def sync_suspended(sync: Any, *, honoured: bool) -> Generator[None, None, None]:
+    """``no_sync`` for any stage (``sync``: a GradReducer or ZeroThree).
+
+    ``sync.sync_enabled`` is off inside, unless the stage does not honour no_sync (it
+    reduce-scatters every micro-batch so that no full gradient outlives a backward), in which case
+    nothing changes. See [Note: no_sync].
+    """
+    if not honoured:
+        yield
+        return
+    previous = sync.sync_enabled
+    sync.sync_enabled = False
+    try:
+        yield
+    finally:
+        sync.sync_enabled = previous
 
 
 class UnusedParametersError(RuntimeError):
@@ -193,15 +213,8 @@ class GradReducer:
         Stage 2 (unless ``accumulate_unsharded``) reduce-scatters every micro-batch instead, so that
         no full gradient outlives a backward: then this context changes nothing.
         """
-        if not self.honours_no_sync:
+        with sync_suspended(self, honoured=self.honours_no_sync):
             yield
-            return
-        previous = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     def finish_forward(self, output: object) -> None:
         """Nothing to do after forward: the hooks drive everything from here."""

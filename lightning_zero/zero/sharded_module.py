@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.grad_sync.reducer import sync_suspended
 from lightning_zero.zero.flat_param import FlatParameter, full_parameters, state_dict_with
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
@@ -375,15 +376,8 @@ class ZeroThree:
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """With ``accumulate_unsharded``: full gradients accumulate locally, no collective runs."""
-        if not self.accumulate_unsharded:
+        with sync_suspended(self, honoured=self.accumulate_unsharded):
             yield
-            return
-        previous = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     # -- whole-model views ---------------------------------------------------------------------
 
