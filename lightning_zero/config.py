@@ -51,8 +51,9 @@ class ZeroConfig:
             (2Ψ traffic, the gathered model held through the step).
         param_dtype: mixed precision: the dtype the module computes in and reduces gradients in,
             with fp32 master weights held by the optimizer (see README "Mixed precision").
-            None follows Lightning's ``precision`` flag ("bf16-mixed" -> "bf16"; "32-true" ->
-            fp32, no master copy). "fp16" is refused: it needs loss scaling.
+            None follows Lightning's ``precision`` flag ("bf16-mixed" -> "bf16", "16-mixed" ->
+            "fp16"; "32-true" -> fp32, no master copy). "fp16" adds dynamic loss scaling whose
+            overflow check all ranks agree on (README "Mixed precision").
         reduce_dtype: dtype of gradients on the wire; must equal param_dtype in this release.
         state_dict_type: how checkpoints are written. ``"full"``: rank 0 writes one file with the
             full model and optimizer state under the original parameter names. ``"sharded"``:
@@ -72,7 +73,7 @@ class ZeroConfig:
     prefetch: bool = True  # stage 3: gather the next unit while one computes
     prefetch_limit: int = 1  # stage 3: units gathering ahead at most
     reshard_after_forward: bool = True  # stage 3: free units after forward (3Ψ) or keep (2Ψ)
-    param_dtype: str | None = None  # "bf16" | "fp32" | None: follow Lightning's precision flag
+    param_dtype: str | None = None  # "bf16" | "fp16" | "fp32" | None: follow Lightning's precision flag
     reduce_dtype: str | None = None  # gradients on the wire; None: param_dtype
     state_dict_type: str = "full"  # checkpoints: "full" (one file, rank 0) or "sharded" (a directory)
 

@@ -10,6 +10,17 @@ all-gathered; stage 3: into the bf16 shard the next gather reads). Checkpoints c
 master values under the original parameter names, so a resume continues exactly and a plain fp32
 LightningModule loads them.
 
+[Note: loss scaling]
+fp16 (``param_dtype="fp16"``, or Lightning's ``precision="16-mixed"``) needs dynamic loss scaling:
+the loss is multiplied by a scale before backward, the gradients divided by it before the step,
+and a step whose gradients hold an inf or NaN is skipped and the scale lowered. In stages 1-3 each
+rank checks only its own shard of the gradients, so one rank can find an overflow that its peers
+cannot see; if it skipped alone, the ranks' parameters would part for good. :class:`ZeroGradScaler`
+therefore sums the ranks' found-inf flags (one small AllReduce per optimizer step) before deciding,
+so every rank skips the same steps and keeps the same scale. It replaces the scaler of Lightning's
+mixed-precision plugin (same settings and state); with ``param_dtype="fp16"`` and
+``precision="32-true"`` the strategy installs fp16 autocast with such a scaler itself.
+
 Clipping:
 Lightning clips through the precision plugin (``clip_gradients`` -> ``clip_grad_by_norm``), which
 on its own would take the norm of this rank's shard only. :func:`install_sharded_clipping` gives
@@ -25,9 +36,11 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.optim import Optimizer
+
+from lightning_zero.comm import Communicator
 
 
 class _GlobalNormClipping:
@@ -39,7 +52,9 @@ class _GlobalNormClipping:
 
 @functools.cache
 def _with_global_norm(cls: type) -> type:
-    return type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), {"_zero_base": cls})
+    # the base's qualname: Lightning files the plugin's checkpoint state under it
+    namespace = {"_zero_base": cls, "__qualname__": cls.__qualname__}
+    return type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), namespace)
 
 
 def install_sharded_clipping(plugin: Precision, clip_fn: Any) -> None:
@@ -65,30 +80,31 @@ class PrecisionPolicy(NamedTuple):
     master_dtype: torch.dtype  # the optimizer's copy of the parameters
 
 
+_MIXED_FLAG = {"bf16": "bf16-mixed", "fp16": "16-mixed"}  # param_dtype -> Lightning's autocast flag
+
+
 def resolve_policy(
     param_dtype: str | None, reduce_dtype: str | None, lightning_precision: str
 ) -> PrecisionPolicy | None:
     """The policy for this run; ``None`` trains in the module's own dtype with no master copy.
 
     ``param_dtype`` None follows Lightning's flag: ``"bf16-mixed"`` -> bf16 parameters and
-    gradients with fp32 master weights; ``"32-true"`` (and the ``*-true`` flags, which convert
-    the module themselves) -> no policy. An explicit ``param_dtype`` overrides the flag.
+    gradients with fp32 master weights, ``"16-mixed"`` -> the same in fp16 (with loss scaling, see
+    [Note: loss scaling]); ``"32-true"`` (and the ``*-true`` flags, which convert the module
+    themselves) -> no policy. An explicit ``param_dtype`` overrides ``"32-true"`` and must agree
+    with a mixed flag.
     """
     if param_dtype is None:
-        if lightning_precision in ("16-mixed", "16"):
-            raise ValueError(
-                "precision='16-mixed' (fp16 with loss scaling) is not supported by ZeroStrategy: "
-                "use precision='bf16-mixed', or '32-true'"
-            )
-        param_dtype = "bf16" if lightning_precision == "bf16-mixed" else None
+        param_dtype = next((d for d, flag in _MIXED_FLAG.items() if flag == lightning_precision), None)
+    elif param_dtype != "fp32" and lightning_precision not in ("32-true", _MIXED_FLAG[param_dtype]):
+        raise ValueError(
+            f"param_dtype={param_dtype!r} does not go with Lightning's precision={lightning_precision!r}: "
+            f"use precision={_MIXED_FLAG[param_dtype]!r} or '32-true', or leave param_dtype unset"
+        )
     if param_dtype is None or param_dtype == "fp32":
         if reduce_dtype not in (None, "fp32"):
             raise ValueError(f"reduce_dtype={reduce_dtype!r} needs param_dtype of the same dtype")
         return None
-    if param_dtype == "fp16":
-        raise ValueError(
-            "param_dtype='fp16' needs loss scaling, which ZeroStrategy does not provide: use 'bf16'"
-        )
     if reduce_dtype not in (None, param_dtype):
         raise ValueError(
             f"reduce_dtype must equal param_dtype ({param_dtype!r}) in this release, got {reduce_dtype!r}: "
@@ -109,3 +125,91 @@ def cast_parameters(module: nn.Module, policy: PrecisionPolicy | None) -> dict[i
                 masters[id(p)] = p.detach().to(policy.master_dtype, copy=True)
             p.data = p.data.to(policy.param_dtype)
     return masters
+
+
+class ZeroGradScaler(torch.amp.GradScaler):
+    """A dynamic loss scaler whose found-inf check every rank agrees on (see [Note: loss scaling]).
+
+    Args:
+        comm: the strategy's communicator (the AllReduce of the flags goes into its ledger).
+        device: the device type the gradients live on (``"cuda"``, ``"cpu"``).
+        label: prefix of the collective's name.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
+            ``torch.amp.GradScaler``.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        device: str = "cuda",
+        *,
+        label: str = "zero",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.comm = comm
+        self.label = label
+        self.local_found_inf = False  # this rank's own shard held an inf/NaN at the last unscale
+        self.ranks_found_inf = 0  # how many ranks found one (every rank then skipped the step)
+        self.skipped_steps = 0  # optimizer steps skipped over this scaler's life
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, comm: Communicator, label: str) -> ZeroGradScaler:
+        """A ZeroGradScaler with ``scaler``'s settings and state."""
+        new = cls(
+            comm,
+            scaler._device,
+            label=label,
+            init_scale=scaler._init_scale if scaler.is_enabled() else 2.0**16,
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+        if scaler.is_enabled() and scaler._scale is not None:
+            new.load_state_dict(scaler.state_dict())
+        return new
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self.is_enabled():
+            return
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        assert self._scale is not None
+        flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        for value in found.values():
+            flag += value.to(flag.device)
+        flag.clamp_(max=1.0)
+        local = flag.clone()
+        self.comm.all_reduce(flag, name=f"{self.label}/all_reduce/found_inf", async_op=False)
+        self.local_found_inf = bool(local.item())
+        self.ranks_found_inf = round(flag.item())
+        self.skipped_steps += int(self.ranks_found_inf > 0)
+        for value in found.values():
+            value.copy_(flag.to(value.device))
+        if not found:  # no gradient on this rank: it still follows the others
+            found[flag.device] = flag
+
+
+def install_loss_scaling(
+    plugin: Precision, policy: PrecisionPolicy | None, comm: Communicator, label: str, device: str
+) -> Precision:
+    """The plugin to train with: Lightning's scaler swapped for a :class:`ZeroGradScaler`, or, for
+    ``param_dtype="fp16"`` over ``precision="32-true"``, fp16 autocast with one."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        if not isinstance(scaler, ZeroGradScaler):
+            plugin.scaler = ZeroGradScaler.like(scaler, comm, label)
+        return plugin
+    if policy is None or policy.param_dtype != torch.float16:
+        return plugin
+    if type(plugin) is not Precision:
+        raise ValueError(
+            f"param_dtype='fp16' needs loss scaling, which the precision plugin {type(plugin).__name__} "
+            "does not do: use precision='16-mixed' or '32-true'"
+        )
+    return MixedPrecision("16-mixed", device, scaler=ZeroGradScaler(comm, device, label=label))

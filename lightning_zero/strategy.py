@@ -32,7 +32,12 @@ from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, make_engine
 from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.memory import MemoryReport, measure
-from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping, resolve_policy
+from lightning_zero.precision import (
+    install_loss_scaling,
+    install_sharded_clipping,
+    remove_sharded_clipping,
+    resolve_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,7 @@ class ZeroStrategy(DDPStrategy):
         self._ledger = CommLedger()  # every collective of this strategy, per step
         self._comm: Communicator | None = None  # built once the process group exists
         self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
+        self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
 
     @property
     def config(self) -> ZeroConfig:
@@ -122,6 +128,10 @@ class ZeroStrategy(DDPStrategy):
             cfg = self._config
             policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
             self._engine = make_engine(cfg, self.comm, policy)
+            self._user_precision_plugin = self.precision_plugin
+            self.precision_plugin = install_loss_scaling(
+                self.precision_plugin, policy, self.comm, self._engine.label, self.root_device.type
+            )
             if self._engine.needs_optimizers_first:  # shards follow the optimizer's param groups
                 self.setup_optimizers(trainer)
                 self.configure_ddp()
@@ -289,6 +299,7 @@ class ZeroStrategy(DDPStrategy):
             self._engine.teardown()
             if self._engine.sharded:
                 remove_sharded_clipping(self.precision_plugin)
+            self.precision_plugin = self._user_precision_plugin
             self._engine = None
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module

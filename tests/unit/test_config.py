@@ -84,10 +84,13 @@ def test_precision_policy_from_lightning_flags_and_options():
     )
     assert resolve_policy("bf16", None, "32-true") == bf16  # an explicit policy overrides the flag
     assert resolve_policy("fp32", None, "bf16-mixed") is None
-    with pytest.raises(ValueError, match="16-mixed.*not supported.*bf16-mixed"):
-        resolve_policy(None, None, "16-mixed")
-    with pytest.raises(ValueError, match="fp16.*loss scaling"):
-        resolve_policy("fp16", None, "32-true")
+    fp16 = resolve_policy(None, None, "16-mixed")
+    assert (fp16.param_dtype, fp16.master_dtype) == (torch.float16, torch.float32)
+    assert resolve_policy("fp16", None, "32-true") == fp16  # the strategy adds the loss scaler
+    with pytest.raises(ValueError, match="param_dtype='fp16' does not go with.*'bf16-mixed'"):
+        resolve_policy("fp16", None, "bf16-mixed")
+    with pytest.raises(ValueError, match="param_dtype='bf16' does not go with.*'16-true'"):
+        resolve_policy("bf16", None, "16-true")
     with pytest.raises(ValueError, match="reduce_dtype must equal param_dtype"):
         resolve_policy("bf16", "fp32", "32-true")
     with pytest.raises(ValueError, match="param_dtype must be one of"):
