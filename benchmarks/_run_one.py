@@ -2,11 +2,12 @@
 
     python benchmarks/_run_one.py --strategy zero1 --out /tmp/zero1.json
     python benchmarks/_run_one.py --strategy fsdp --model gpt_tiny --steps 20 --out /tmp/fsdp.json
+    python benchmarks/_run_one.py --strategy zero2 --precision bf16-mixed --out /tmp/zero2_bf16.json
 
-``bench_step_time.py`` runs this script once per (repeat, strategy), so every run starts in a
-fresh interpreter. Inside, ``Trainer(accelerator="cpu", devices=N)`` launches the ranks with the
-chosen start method (fork by default, the same for every strategy). Each rank times its optimizer
-steps with a :class:`StepTimer` (``perf_counter`` from ``on_train_batch_start`` to
+``bench_step_time.py`` runs this script once per (repeat, strategy, precision), so every run starts
+in a fresh interpreter. Inside, ``Trainer(accelerator="cpu", devices=N, precision=P)`` launches the
+ranks with the chosen start method (fork by default, the same for every strategy). Each rank times
+its optimizer steps with a :class:`StepTimer` (``perf_counter`` from ``on_train_batch_start`` to
 ``on_train_batch_end``, no barrier; beside it the process's CPU time over the same interval) and,
 at the end of training, records its peak RSS and its model-state bytes into ``OUT.rank<r>``; the
 launching process merges these files into ``OUT``.
@@ -38,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from benchmarks.bench_step_time import STRATEGY_NAMES  # noqa: E402
+from benchmarks.bench_step_time import DEFAULT_PRECISION, PRECISION_NAMES, STRATEGY_NAMES  # noqa: E402
 from benchmarks.fsdp_cpu import CPUFSDPStrategy  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
     p.add_argument("--out", required=True, type=Path, help="JSON file written by this run")
+    p.add_argument(
+        "--precision", default=DEFAULT_PRECISION, choices=PRECISION_NAMES, help="Trainer(precision=)"
+    )
     p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml")
     p.add_argument(
         "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             strategy=build_strategy(args.strategy, args),
             accelerator="cpu",
             devices=args.devices,
+            precision=args.precision,
             max_steps=args.steps,
             limit_val_batches=0,
             num_sanity_val_steps=0,
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     meta = {
         "strategy": args.strategy,
+        "precision": args.precision,
         "model": args.model,
         "model_config": cfg,
         "num_parameters": num_params,

@@ -4,13 +4,18 @@
     python benchmarks/bench_step_time.py --json bench.json        # also write every run as JSON
     python benchmarks/bench_step_time.py --strategies zero3,fsdp,zero0 --baseline fsdp
     python benchmarks/bench_step_time.py --model gpt_tiny --repeats 2 --steps 30 --warmup 5
+    python benchmarks/bench_step_time.py --strategies zero0,zero1 --baseline zero0 --precisions 32-true,bf16-mixed
 
-For each repeat r = 1..R and each strategy in the list, in that order (A B C A B C ...), one
-training run of the example GPT is started as a fresh process (``benchmarks/_run_one.py``). Rank 0
-times every optimizer step; a run's figure is the median of its steps after the first
-``--warmup``. A strategy's figure is the median of its R run figures; its ratio is that divided by
-the baseline's. The paired ratio divides each run by the baseline's run of the same repeat (run
-moments apart, so it shares the machine's load of the moment) and takes the median over repeats.
+For each repeat r = 1..R and each variant, in that order (A B C A B C ...), one training run of
+the example GPT is started as a fresh process (``benchmarks/_run_one.py``). A variant is a strategy
+at a precision (``Trainer(precision=...)``); the variants are every strategy in the list, each in
+every precision of ``--precisions`` (default: 32-true only). Rank 0 times every optimizer step; a
+run's figure is the median of its steps after the first ``--warmup``. A variant's figure is the
+median of its R run figures; its ratio is that divided by the baseline's (the ``--baseline``
+strategy at the first precision). The paired ratio divides each run by the baseline's run of the
+same repeat (run moments apart, so it shares the machine's load of the moment) and takes the
+median over repeats. With several precisions, a further table divides each variant by the same
+strategy at the first precision, paired in the same way.
 On a shared machine a step takes one of two times, depending on whether another job holds the
 cores at that moment; the 10th-percentile step time (p10) of a run estimates the uncontended
 mode, and the CPU time per step (rank 0's process, all threads) the work done whatever the load;
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +45,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().parent / "_run_one.py"  # one timed training run
 MIB = 1024 * 1024
 STRATEGY_NAMES = ("ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")  # what a run can be given
+PRECISION_NAMES = ("32-true", "bf16-mixed")  # Trainer(precision=...) a run can be given
+DEFAULT_PRECISION = "32-true"  # also the precision of records written before --precisions existed
+
+
+class Variant(NamedTuple):
+    """What one run trains: a strategy at a precision."""
+
+    strategy: str
+    precision: str = DEFAULT_PRECISION
 
 
 class Summary(NamedTuple):
@@ -58,13 +73,19 @@ class Summary(NamedTuple):
     model_state_mib: list[dict[str, float]]  # per rank: parameters, gradients, optimizer_states, MiB
     memory_source: str  # "memory_report" (ZeroStrategy) or "measure" (baselines, same counting)
     wire_mib_per_step: float | None  # ZeroStrategy: logical bytes one rank sends in the last step, MiB
+    precision: str = DEFAULT_PRECISION  # Trainer(precision=...) of the variant's runs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", default="zero0,ddp,zero1,zero2", help="comma-separated, run in this order")
-    p.add_argument("--baseline", default="ddp", help="strategy the ratios divide by")
-    p.add_argument("--repeats", type=int, default=4, help="runs per strategy (interleaved)")
+    p.add_argument("--baseline", default="ddp", help="strategy the ratios divide by (at the first precision)")
+    p.add_argument(
+        "--precisions",
+        default=DEFAULT_PRECISION,
+        help=f"comma-separated, each strategy runs in each, in this order: {', '.join(PRECISION_NAMES)}",
+    )
+    p.add_argument("--repeats", type=int, default=4, help="runs per variant (interleaved)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=10, help="first steps of a run left out of its median")
     p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml: gpt_tiny | gpt_small")
@@ -87,18 +108,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.report is not None:
         return args
-    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.strategies = split_list(args.strategies)
+    args.precisions = split_list(args.precisions)
     check_args(args)
     return args
 
 
+def split_list(text: str) -> list[str]:
+    """``"a, b,"`` -> ``["a", "b"]``."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def check_names(flag: str, names: list[str], known: tuple[str, ...]) -> None:
+    """Refuse an empty list, an unknown name or a name given twice in the list of ``flag``."""
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        problem = f"unknown {unknown}" if unknown else "no name given"
+        raise SystemExit(f"{flag}: {problem}; known: {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"{flag} lists a name twice: {names}")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a bad combination before the first run starts, naming what to change."""
-    unknown = [s for s in args.strategies if s not in STRATEGY_NAMES]
-    if unknown:
-        raise SystemExit(f"--strategies: unknown {unknown}; known: {', '.join(STRATEGY_NAMES)}")
-    if len(set(args.strategies)) != len(args.strategies):
-        raise SystemExit(f"--strategies lists a strategy twice: {args.strategies}")
+    check_names("--strategies", args.strategies, STRATEGY_NAMES)
+    check_names("--precisions", args.precisions, PRECISION_NAMES)
     if args.baseline not in args.strategies:
         raise SystemExit(f"--baseline {args.baseline!r} must be one of --strategies {args.strategies}")
     if args.repeats < 1 or args.devices < 1:
@@ -124,8 +158,24 @@ def child_env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_command(strategy: str, out: Path, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, str(RUN_ONE), "--strategy", strategy, "--out", str(out)]
+def variants(strategies: list[str], precisions: list[str]) -> list[Variant]:
+    """Every strategy in every precision, in run order: a strategy's precisions run back to back."""
+    return [Variant(s, p) for s in strategies for p in precisions]
+
+
+def variant_of(record: dict[str, Any]) -> Variant:
+    """The variant of a run record (one from before ``--precisions`` ran at the default precision)."""
+    return Variant(record["strategy"], record.get("precision", DEFAULT_PRECISION))
+
+
+def variant_name(variant: Variant, mixed: bool) -> str:
+    """The strategy, followed by the precision when the runs mix precisions."""
+    return f"{variant.strategy} {variant.precision}" if mixed else variant.strategy
+
+
+def run_command(variant: Variant, out: Path, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, str(RUN_ONE), "--strategy", variant.strategy, "--precision", variant.precision]
+    cmd += ["--out", str(out)]
     cmd += ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
     cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--wrap-policy", args.wrap_policy]
     cmd += ["--devices", str(args.devices), "--start-method", args.start_method, "--seed", str(args.seed)]
@@ -134,16 +184,18 @@ def run_command(strategy: str, out: Path, args: argparse.Namespace) -> list[str]
     return cmd
 
 
-def run_one(strategy: str, repeat: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_one(variant: Variant, repeat: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Run one training in a fresh process; return its record with the run's median step time."""
-    out = workdir / f"r{repeat}_{strategy}.json"
+    out = workdir / f"r{repeat}_{variant.strategy}_{variant.precision}.json"
     start = time.perf_counter()
-    command = run_command(strategy, out, args)
+    command = run_command(variant, out, args)
     env = child_env(args.devices)
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=900)
     if done.returncode != 0 or not out.is_file():
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise SystemExit(f"run {strategy} (repeat {repeat}) failed with exit code {done.returncode}:\n{tail}")
+        raise SystemExit(
+            f"run {' '.join(variant)} (repeat {repeat}) failed with exit code {done.returncode}:\n{tail}"
+        )
     record = json.loads(out.read_text())
     record["repeat"] = repeat
     record["wall_s"] = time.perf_counter() - start
@@ -167,19 +219,32 @@ def median_ms(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs) * 1e3
 
 
-def summarize(runs: list[dict[str, Any]], strategies: list[str], baseline: str) -> list[Summary]:
-    """One :class:`Summary` per strategy from the runs of all repeats."""
-    by = {(r["strategy"], r["repeat"]): r for r in runs}
+def against(base: Variant) -> Callable[[Variant], Variant]:
+    """Reference for :func:`summarize`: every variant divides by ``base``."""
+    return lambda variant: base
+
+
+def against_precision(precision: str) -> Callable[[Variant], Variant]:
+    """Reference for :func:`summarize`: every variant divides by its own strategy at ``precision``."""
+    return lambda variant: variant._replace(precision=precision)
+
+
+def summarize(
+    runs: list[dict[str, Any]], variants: list[Variant], reference: Callable[[Variant], Variant]
+) -> list[Summary]:
+    """One :class:`Summary` per variant from the runs of all repeats; ratios over ``reference(variant)``."""
+    by = {(variant_of(r), r["repeat"]): r for r in runs}
     repeats = sorted({r["repeat"] for r in runs})
-    base = [by[baseline, k] for k in repeats]
     rows = []
-    for name in strategies:
-        mine = [by[name, k] for k in repeats]
+    for variant in variants:
+        mine = [by[variant, k] for k in repeats]
+        base = [by[reference(variant), k] for k in repeats]
         medians = [r["median_step_s"] * 1e3 for r in mine]
         paired = [m["median_step_s"] / b["median_step_s"] for m, b in zip(mine, base)]
         rows.append(
             Summary(
-                strategy=name,
+                strategy=variant.strategy,
+                precision=variant.precision,
                 step_ms=median_ms(mine, "median_step_s"),
                 run_ms_min=min(medians),
                 run_ms_max=max(medians),
@@ -219,6 +284,27 @@ def wire_per_step(run: dict[str, Any]) -> float | None:
     return sum(op["wire_bytes"] for op in comm.values()) / MIB
 
 
+def row_names(rows: list[Summary]) -> list[str]:
+    """The first column of a table: strategy names, with the precision when the rows mix precisions."""
+    mixed = len({r.precision for r in rows}) > 1
+    return [variant_name(Variant(r.strategy, r.precision), mixed) for r in rows]
+
+
+def state_cell(row: Summary) -> str:
+    """Rank 0's parameters / gradients / optimizer states, MiB; ``*``: counted by ``measure``."""
+    state = row.model_state_mib[0]
+    mark = "" if row.memory_source == "memory_report" else "*"
+    return f"{state['parameters']:.2f} / {state['gradients']:.2f} / {state['optimizer_states']:.2f}{mark}"
+
+
+def wire_cell(row: Summary) -> str:
+    return "-" if row.wire_mib_per_step is None else f"{row.wire_mib_per_step:.2f}"
+
+
+def paired_cell(row: Summary) -> str:
+    return f"{row.paired_ratio:.3f} ({row.paired_min:.3f}-{row.paired_max:.3f})"
+
+
 def timing_table(rows: list[Summary], baseline: str) -> str:
     """Markdown: step times and their ratios against ``baseline``."""
     lines = [
@@ -226,11 +312,10 @@ def timing_table(rows: list[Summary], baseline: str) -> str:
         "| paired ratio (min-max) | p10 step ms | p10 ratio | CPU ms/step | CPU ratio |",
         "|" + "---|" * 9,
     ]
-    for r in rows:
+    for name, r in zip(row_names(rows), rows):
         lines.append(
-            f"| {r.strategy} | {r.step_ms:.1f} | {r.run_ms_min:.1f}-{r.run_ms_max:.1f} | {r.ratio:.3f} "
-            f"| {r.paired_ratio:.3f} ({r.paired_min:.3f}-{r.paired_max:.3f}) "
-            f"| {r.p10_ms:.1f} | {r.p10_ratio:.3f} | {r.cpu_ms:.1f} | {r.cpu_ratio:.3f} |"
+            f"| {name} | {r.step_ms:.1f} | {r.run_ms_min:.1f}-{r.run_ms_max:.1f} | {r.ratio:.3f} "
+            f"| {paired_cell(r)} | {r.p10_ms:.1f} | {r.p10_ratio:.3f} | {r.cpu_ms:.1f} | {r.cpu_ratio:.3f} |"
         )
     return "\n".join(lines)
 
@@ -241,14 +326,28 @@ def memory_table(rows: list[Summary]) -> str:
         "| strategy | peak RSS MiB per rank | params / grads / optim MiB (rank 0) | sent MiB/step |",
         "|" + "---|" * 4,
     ]
+    for name, r in zip(row_names(rows), rows):
+        rss = " / ".join(f"{m:.0f}" for m in r.peak_rss_mib)
+        lines.append(f"| {name} | {rss} | {state_cell(r)} | {wire_cell(r)} |")
+    return "\n".join(lines)
+
+
+def precision_table(rows: list[Summary], reference: str) -> str:
+    """Markdown: each variant against its own strategy at the ``reference`` precision.
+
+    ``rows`` come from :func:`summarize` with :func:`against_precision` (``reference``): time and
+    work relative to the same strategy, and the model state and traffic the precision changes.
+    """
+    lines = [
+        f"| strategy | precision | step ms (median) | paired ratio vs {reference} (min-max) | CPU ms/step "
+        "| CPU ratio | params / grads / optim MiB (rank 0) | model state MiB per rank | sent MiB/step |",
+        "|" + "---|" * 9,
+    ]
     for r in rows:
-        state = r.model_state_mib[0]
-        mark = "" if r.memory_source == "memory_report" else "*"
-        wire = "-" if r.wire_mib_per_step is None else f"{r.wire_mib_per_step:.2f}"
+        per_rank = " / ".join(f"{sum(rank.values()):.2f}" for rank in r.model_state_mib)
         lines.append(
-            f"| {r.strategy} | {' / '.join(f'{m:.0f}' for m in r.peak_rss_mib)} "
-            f"| {state['parameters']:.2f} / {state['gradients']:.2f} / {state['optimizer_states']:.2f}{mark} "
-            f"| {wire} |"
+            f"| {r.strategy} | {r.precision} | {r.step_ms:.1f} | {paired_cell(r)} | {r.cpu_ms:.1f} "
+            f"| {r.cpu_ratio:.3f} | {state_cell(r)} | {per_rank} | {wire_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -285,7 +384,7 @@ def machine(devices: int) -> dict[str, Any]:
 
 def progress_line(record: dict[str, Any], repeats: int) -> str:
     return (
-        f"repeat {record['repeat']}/{repeats}  {record['strategy']:<6}"
+        f"repeat {record['repeat']}/{repeats}  {record['strategy']:<6} {record['precision']:<10}"
         f"  median step {record['median_step_s'] * 1e3:7.1f} ms  p10 {record['p10_step_s'] * 1e3:7.1f} ms"
         f"  CPU {record['median_cpu_s'] * 1e3:7.1f} ms  (run {record['wall_s']:.1f} s)"
     )
@@ -299,19 +398,27 @@ def extra_references(also_vs: str, strategies: list[str], baseline: str) -> list
 
 def print_report(payload: dict[str, Any], also_vs: str = "auto") -> list[Summary]:
     """Print the tables of a benchmark's JSON payload; return its rows (against its baseline)."""
-    settings = payload["settings"]
+    settings, runs = payload["settings"], payload["runs"]
+    precisions = settings.get("precisions", [DEFAULT_PRECISION])
+    every = variants(settings["strategies"], precisions)
+    mixed = len(precisions) > 1
     rows = [Summary(**row) for row in payload["summary"]]
-    print(timing_table(rows, settings["baseline"]))
+    print(timing_table(rows, variant_name(Variant(settings["baseline"], precisions[0]), mixed)))
     print()
     for name in extra_references(also_vs, settings["strategies"], settings["baseline"]):
-        print(timing_table(summarize(payload["runs"], settings["strategies"], name), name))
+        reference = Variant(name, precisions[0])
+        print(timing_table(summarize(runs, every, against(reference)), variant_name(reference, mixed)))
+        print()
+    if mixed:
+        print(precision_table(summarize(runs, every, against_precision(precisions[0])), precisions[0]))
         print()
     print(memory_table(rows))
     if any(r.memory_source != "memory_report" for r in rows):
         print("\n\\* baseline memory counted with lightning_zero.memory.measure (see docs/benchmarks.md)")
     print(
         f"\n{len(payload['runs'])} runs in {payload['total_s'] / 60:.1f} min"
-        f" ({' '.join([settings['model'], *settings['model_arg']])}, batch {settings['batch_size']},"
+        f" ({' '.join([settings['model'], *settings['model_arg']])}, {', '.join(precisions)},"
+        f" batch {settings['batch_size']},"
         f" {settings['steps']} steps, rank 0's steps after the first {settings['warmup']})"
     )
     return rows
@@ -322,19 +429,21 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     if args.report is not None:
         return print_report(json.loads(args.report.read_text()), args.also_vs)
     setting = machine(args.devices)  # before the runs: the code they run is the code at the start
+    every = variants(args.strategies, args.precisions)
+    baseline = Variant(args.baseline, args.precisions[0])
     runs = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_step_time_") as tmp:
         for repeat in range(1, args.repeats + 1):
-            for name in args.strategies:
-                record = run_one(name, repeat, args, Path(tmp))
+            for variant in every:
+                record = run_one(variant, repeat, args, Path(tmp))
                 runs.append(record)
                 print(progress_line(record, args.repeats), file=sys.stderr, flush=True)
     payload = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": setting,
         "total_s": time.perf_counter() - started,
-        "summary": [r._asdict() for r in summarize(runs, args.strategies, args.baseline)],
+        "summary": [r._asdict() for r in summarize(runs, every, against(baseline))],
         "runs": runs,
     }
     if args.json is not None:
