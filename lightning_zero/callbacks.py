@@ -14,6 +14,8 @@ step number the strategy's ledger uses (0 for the first optimizer step):
     zero/mem_gathered_bytes                                    stage 3: units gathered into backward
     zero/step_time_s, zero/step_time_max_over_min              wall clock, over ranks
     zero/busy_time_max_s, zero/busy_time_min_s, zero/busy_time_max_over_min
+    zero/loss_scale, zero/skipped_steps                        fp16 loss scaling: the scale after
+                                                              the step, steps skipped so far
 
 At the end of fit rank 0 prints the measured traffic and memory next to what
 :mod:`lightning_zero.planning` predicts for the same Ψ, N, stage, dtypes and optimizer. With a
@@ -55,9 +57,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import CommLedger
-from lightning_zero.comm.ledger import OpTotals
+from lightning_zero.comm.ledger import OpTotals, wire_bytes
 from lightning_zero.memory import MemoryReport
 from lightning_zero.planning import MemoryEstimate, model_state_memory, optimizer_k, step_traffic
+from lightning_zero.precision import ZeroGradScaler
 from lightning_zero.strategy import ZeroStrategy
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # logged every step, 0 when idle
@@ -91,6 +94,7 @@ class RunShape(NamedTuple):
     micro_batches: int  # micro-batches per optimizer step (accumulate_grad_batches)
     accumulate_unsharded: bool  # stages 2-3: one reduce-scatter per window instead of per micro-batch
     layout: FlatLayout
+    found_inf: bool = False  # fp16 loss scaling: one 4-byte AllReduce of the overflow flags per step
 
 
 class OpBytes(NamedTuple):
@@ -164,21 +168,30 @@ def predict_traffic(shape: RunShape, *, padded: bool = False) -> dict[str, OpByt
         return {}  # one process sends nothing
     layout, m = shape.layout, shape.micro_batches
     psi, kept = (layout.padded, layout.kept_padded) if padded else (layout.psi, layout.kept)
+    flag = _found_inf_bytes(shape)
     if shape.stage == 0:
         wire, logical = _volumes(shape, psi, 0)
-        return {"all_reduce": OpBytes(logical.all_reduce / 2, wire.all_reduce)}  # limit factor: 2
+        return {"all_reduce": OpBytes(logical.all_reduce / 2 + flag.payload, wire.all_reduce + flag.wire)}
+    extra = {"all_reduce": flag} if shape.found_inf else {}
     reduce_times = m if shape.stage >= 2 and not shape.accumulate_unsharded else 1
     wire, logical = _volumes(shape, psi, shape.stage)
     reduce = OpBytes(logical.reduce_scatter * reduce_times, wire.reduce_scatter * reduce_times)
     if shape.stage < 3:
-        return {"reduce_scatter": reduce, "all_gather": OpBytes(logical.all_gather, wire.all_gather)}
+        return {"reduce_scatter": reduce, "all_gather": OpBytes(logical.all_gather, wire.all_gather), **extra}
     wire_rest, logical_rest = _volumes(shape, psi - kept, 3)  # gathered in forward and in backward
     wire_kept, logical_kept = _volumes(shape, kept, 3, groups=1)  # gathered once
     gather = OpBytes(
         (logical_rest.all_gather + logical_kept.all_gather) * m,
         (wire_rest.all_gather + wire_kept.all_gather) * m,
     )
-    return {"reduce_scatter": reduce, "all_gather": gather}
+    return {"reduce_scatter": reduce, "all_gather": gather, **extra}
+
+
+def _found_inf_bytes(shape: RunShape) -> OpBytes:
+    """The loss scaler's AllReduce of one fp32 overflow flag (zero without loss scaling)."""
+    if not shape.found_inf:
+        return OpBytes(0.0, 0.0)
+    return OpBytes(4.0, wire_bytes("all_reduce", 4, shape.world_size))
 
 
 def predict_memory(shape: RunShape, *, padded: bool = False) -> MemoryEstimate:
@@ -249,6 +262,14 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
         metrics["mem_optim_bytes"] = float(sample.memory.optimizer_states)
         metrics["mem_gathered_bytes"] = float(sample.gathered)
     return {PREFIX + name: value for name, value in metrics.items()}
+
+
+def loss_scale_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """The loss scaler's scale and skipped steps (none without a :class:`ZeroGradScaler`)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if not isinstance(scaler, ZeroGradScaler) or not scaler.is_enabled():
+        return {}
+    return {PREFIX + "loss_scale": scaler.get_scale(), PREFIX + "skipped_steps": float(scaler.skipped_steps)}
 
 
 class _Window:
@@ -379,8 +400,9 @@ class ZeroMonitor(Callback):
         sample = self._measure(trainer, window, gather_times=log_now)
         self._remember(sample)
         if log_now and trainer.is_global_zero:
+            metrics = {**step_metrics(sample), **loss_scale_metrics(trainer)}
             for logger in trainer.loggers:
-                logger.log_metrics(step_metrics(sample), step=window.step)
+                logger.log_metrics(metrics, step=window.step)
 
     def _measure(self, trainer: pl.Trainer, window: _Window, *, gather_times: bool) -> StepSample:
         busy = window.elapsed - sum(window.waits.values())
@@ -428,19 +450,21 @@ def run_shape(trainer: pl.Trainer, zero: ZeroStrategy) -> RunShape:
     param = next(p for p in trainer.lightning_module.parameters() if p.requires_grad)
     element = param.element_size()
     policy = getattr(zero.engine, "policy", None)  # mixed precision: fp32 masters in the optimizer
+    grad_bytes = element if policy is None else torch.empty((), dtype=policy.reduce_dtype).element_size()
     state_bytes = element if policy is None else torch.empty((), dtype=policy.master_dtype).element_size()
     name, k = optimizer_state_k(trainer.optimizers, state_bytes=state_bytes, master_copy=policy is not None)
     return RunShape(
         stage=config.stage,
         world_size=trainer.world_size,
         param_bytes=element,
-        grad_bytes=element,
+        grad_bytes=grad_bytes,
         optimizer=name,
         k=k,
         master_copy=policy is not None,
         micro_batches=trainer.accumulate_grad_batches,
         accumulate_unsharded=config.accumulate_unsharded,
         layout=layout,
+        found_inf=isinstance(getattr(trainer.precision_plugin, "scaler", None), ZeroGradScaler),
     )
 
 

@@ -54,7 +54,9 @@ class ZeroConfig:
             None follows Lightning's ``precision`` flag ("bf16-mixed" -> "bf16", "16-mixed" ->
             "fp16"; "32-true" -> fp32, no master copy). "fp16" adds dynamic loss scaling whose
             overflow check all ranks agree on (README "Mixed precision").
-        reduce_dtype: dtype of gradients on the wire; must equal param_dtype in this release.
+        reduce_dtype: dtype of gradients on the wire and of their accumulation across
+            micro-batches; None: param_dtype. "fp32" under bf16/fp16 parameters sums in fp32
+            (twice the bytes on the wire; stages 0-1 hold fp32 gradient buckets).
         state_dict_type: how checkpoints are written. ``"full"``: rank 0 writes one file with the
             full model and optimizer state under the original parameter names. ``"sharded"``:
             every rank writes only its own shards, in parallel, into a directory in the

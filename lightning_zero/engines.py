@@ -53,7 +53,7 @@ class Engine:
     def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
         """Wrap ``module``; ``optimizers`` exist already for the sharded stages and under a policy."""
         initial = cast_parameters(module, self.policy)
-        self.wrapped = wrap_module(module, self.comm, self.config)
+        self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
         if initial:
             self._use_masters(module, optimizers, initial)
         return self.wrapped
@@ -72,8 +72,12 @@ class Engine:
         self.wrapped.sync.on_reduced = self._grads_to_masters
 
     def _grads_to_masters(self) -> None:
-        for p in self.params:
-            self.masters[id(p)].grad = None if p.grad is None else p.grad.to(self.policy.master_dtype)
+        for p, grad in self.wrapped.sync.reduced_grads():
+            self.masters[id(p)].grad = None if grad is None else grad.to(self.policy.master_dtype)
+
+    @property
+    def _reduce_dtype(self) -> torch.dtype | None:
+        return self.policy.reduce_dtype if self.policy is not None else None
 
     @property
     def needs_optimizers_first(self) -> bool:
@@ -92,6 +96,9 @@ class Engine:
             for p in self.params:
                 p.copy_(self.masters[id(p)])
                 p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
+        for group in optimizer.param_groups:  # the fp32 master gradients: freed now, not at zero_grad
+            for master in group["params"]:
+                master.grad = None
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         return clip_grad_norm_(optimizer, max_norm, self.comm, self.label)
@@ -164,7 +171,7 @@ class ShardedOptimizerEngine(Engine):
         named = trainable_parameters(module)
         keys = param_group_keys(optimizers, [p for _, p in named], [n for n, _ in named])
         initial = cast_parameters(module, self.policy)
-        self.wrapped = wrap_module(module, self.comm, self.config, keys=keys)
+        self.wrapped = wrap_module(module, self.comm, self.config, keys=keys, reduce_dtype=self._reduce_dtype)
         self.sharded_params = ShardedParams(self.wrapped.sync, self.comm, initial)  # flat buckets, shards
         self.params = [p for _, p in named]  # the module's trainable parameters
         for index, optimizer in enumerate(optimizers):
@@ -232,6 +239,7 @@ class FullyShardedEngine(Engine):
             accumulate_unsharded=cfg.accumulate_unsharded,
             label=self.label,
             masters=initial,
+            reduce_dtype=self._reduce_dtype,
         )
         spaces = [u.flat for u in self.zero3.units]
         self.original_groups = {  # optimizer index -> its groups' original parameters
@@ -245,6 +253,8 @@ class FullyShardedEngine(Engine):
         if index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(index)
+        for unit in self.zero3.units:
+            unit.flat.release_grads(index)
         self.zero3.after_step()
 
     def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def measure(
     extra_params: Iterable[Tensor] = (),
 ) -> MemoryReport:
     """Parameters of ``module`` (plus ``extra_params``: stage-3 shards and gathered units), the
-    given gradient tensors and the optimizers' state tensors."""
+    given gradient tensors plus the gradients the optimizers' parameters still hold (fp32 master
+    gradients, shard gradients: they live until ``zero_grad``), and the optimizers' state tensors."""
     params = [p for p in module.parameters()] + list(extra_params)
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     optimizers = list(optimizers)
@@ -55,6 +56,6 @@ def measure(
     states += [m for m in masters if m.untyped_storage().data_ptr() not in param_ptrs]
     return MemoryReport(
         parameters=storage_bytes(params),
-        gradients=storage_bytes([g for g in grad_tensors if g is not None]),
+        gradients=storage_bytes([g for g in [*grad_tensors, *(m.grad for m in masters)] if g is not None]),
         optimizer_states=storage_bytes(states, exclude=param_ptrs),
     )

@@ -105,13 +105,13 @@ def resolve_policy(
         if reduce_dtype not in (None, "fp32"):
             raise ValueError(f"reduce_dtype={reduce_dtype!r} needs param_dtype of the same dtype")
         return None
-    if reduce_dtype not in (None, param_dtype):
+    if reduce_dtype not in (None, param_dtype, "fp32"):
         raise ValueError(
-            f"reduce_dtype must equal param_dtype ({param_dtype!r}) in this release, got {reduce_dtype!r}: "
-            "gradients are reduced in the dtype autograd produces them"
+            f"reduce_dtype must be param_dtype ({param_dtype!r}) or 'fp32', got {reduce_dtype!r}: "
+            "a reduction in a narrower dtype than the gradients would only lose precision"
         )
     dtype = DTYPES[param_dtype]
-    return PrecisionPolicy(dtype, dtype, torch.float32)
+    return PrecisionPolicy(dtype, DTYPES[reduce_dtype or param_dtype], torch.float32)
 
 
 def cast_parameters(module: nn.Module, policy: PrecisionPolicy | None) -> dict[int, torch.Tensor]:

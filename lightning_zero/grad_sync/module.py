@@ -69,12 +69,18 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def wrap_module(
-    module: nn.Module, comm: Communicator, config: ZeroConfig, *, keys: list | None = None
+    module: nn.Module,
+    comm: Communicator,
+    config: ZeroConfig,
+    *,
+    keys: list | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ZeroModule:
     """Hooks and buckets for every trainable parameter of ``module``, and the root wrapper around it.
 
     Args:
         keys: per trainable parameter, the bucket split key (stages 1-2: its optimizer group).
+        reduce_dtype: the buckets' dtype; None: the parameters' own.
     """
     named = trainable_parameters(module)
     reducer = GradReducer(
@@ -87,6 +93,7 @@ def wrap_module(
         stage=config.stage,
         keys=keys,
         accumulate_unsharded=config.accumulate_unsharded,
+        reduce_dtype=reduce_dtype,
     )
     return ZeroModule(module, reducer, comm, broadcast_buffers=config.broadcast_buffers)
 

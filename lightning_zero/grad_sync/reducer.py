@@ -26,6 +26,14 @@ ready hook adds a parameter's fresh ``.grad`` into a bucket allocated on demand 
 shard gradients (accumulated in fp32 across micro-batches) outlive the backward. The shard
 gradient of bucket b lands in ``shard_params[b].grad``, which is what the sharded optimizer steps.
 
+[Note: reduce dtype]
+With a ``reduce_dtype`` other than the parameters' dtype (bf16 or fp16 parameters, fp32 on the
+wire), a gradient cannot be a view of its bucket. The buckets are then in ``reduce_dtype`` and the
+ready hook adds each fresh ``.grad`` into its slot and drops it, as stage 2 does; stages 0 and 1
+keep their buckets between steps, zeroed lazily by the first addition after the reduced values
+were handed on (``Bucket.stale``). Micro-batches accumulate in ``reduce_dtype`` too. Stage 0 hands
+the reduced bucket slots themselves to the fp32 master gradients (``reduced_grads``), no copy.
+
 [Note: no_sync]
 Inside ``no_sync()`` the hooks only keep ``.grad`` in bucket storage and note which parameters
 were used; no collective runs. The first synchronised backward after the window then reduces the
@@ -83,20 +91,29 @@ class Bucket:
         self.pending = len(self.params)  # parameters not yet ready in this backward
         self.handle: Handle | None = None  # the in-flight collective, None when not launched
         self.shard_out: Tensor | None = None  # 1D, padded_numel / N: reduce-scatter output
+        self.persistent = persistent  # storage kept between steps (stages 0-1)
+        self.stale = False  # holds reduced values already handed on: zero before the next addition
         if persistent:
             self.allocate()
 
     def allocate(self) -> Tensor:
-        """The flat storage, zero-filled when (re)allocated."""
+        """The flat storage, zero-filled when (re)allocated or stale."""
         if self.flat is None:
             self.flat = torch.zeros(self.spec.padded_numel, dtype=self.spec.dtype, device=self.spec.device)
             self.views = [
                 self.flat[o : o + p.numel()].view_as(p) for o, p in zip(self.spec.offsets, self.params)
             ]
+        elif self.stale:
+            self.flat.zero_()
+        self.stale = False
         return self.flat
 
-    def free(self) -> None:
-        self.flat, self.views = None, []
+    def release(self) -> None:
+        """The reduced values were handed on: free the storage, or mark it for zeroing."""
+        if self.persistent:
+            self.stale = True
+        else:
+            self.flat, self.views = None, []
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -119,6 +136,8 @@ class GradReducer:
         keys: per parameter, an extra bucket split key (the optimizer param group for stages 1-2).
         accumulate_unsharded: stage 2 only: inside ``no_sync()`` keep full local gradients and
             reduce-scatter once per window (less traffic, more memory) instead of every micro-batch.
+        reduce_dtype: dtype of the buckets (on the wire); None: the parameters' dtype (see
+            [Note: reduce dtype]).
     """
 
     def __init__(
@@ -133,6 +152,7 @@ class GradReducer:
         stage: int = 0,
         keys: Sequence[Hashable] | None = None,
         accumulate_unsharded: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.names = [name for name, _ in named_params]  # registration index -> name
         self.params = [p for _, p in named_params]  # registration index -> parameter
@@ -144,7 +164,9 @@ class GradReducer:
         self.stage = stage  # 0: all-reduce; 1, 2: reduce-scatter into shards
         self.keys = list(keys) if keys is not None else [None] * len(self.params)  # bucket split keys
         self.pad_to = comm.world_size if stage >= 1 else 1  # buckets divisible into N shards
-        self.attach_views = stage <= 1  # gradients live in bucket storage between backwards
+        self.reduce_dtype = reduce_dtype  # bucket dtype; None: each parameter's own
+        # gradients are views of bucket storage (stages 0-1, same dtype), else added into it
+        self.attach_views = stage <= 1 and all(reduce_dtype in (None, p.dtype) for p in self.params)
         self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
         self.on_reduced: Callable[[], None] | None = None  # called after each synchronised backward
         self.shard_params: list[Parameter | None] | None = None  # bucket -> shard parameter (stages 1-2)
@@ -153,6 +175,7 @@ class GradReducer:
         self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
         self._index = {id(p): i for i, p in enumerate(self.params)}  # id(param) -> index
         self._used = [False] * len(self.params)  # got a gradient since the last sync
+        self._dropped: set[int] = set()  # no rank used them in the last synced backward
         self._ready = [False] * len(self.params)  # got a gradient in this synced backward
         self._ready_order: list[int] = []  # indices in ready order, recorded until the rebuild
         self._rebuilt = False  # whether the plan was rebuilt from the observed order
@@ -165,7 +188,7 @@ class GradReducer:
 
     def _plan(self, order: Sequence[int] | None = None) -> list[BucketSpec]:
         infos = [
-            ParamInfo(i, p.numel(), p.dtype, p.device, k)
+            ParamInfo(i, p.numel(), self.reduce_dtype or p.dtype, p.device, k)
             for i, (p, k) in enumerate(zip(self.params, self.keys))
         ]
         return plan_buckets(
@@ -180,7 +203,7 @@ class GradReducer:
         """Allocate buckets for ``specs``, moving any gradient already held into the new slots."""
         old_grads = [p.grad for p in self.params]
         self.buckets = [
-            Bucket(i, s, [self.params[j] for j in s.params], persistent=self.attach_views)
+            Bucket(i, s, [self.params[j] for j in s.params], persistent=self.stage <= 1)
             for i, s in enumerate(specs)
         ]
         self._slot = {j: (b, k) for b in self.buckets for k, j in enumerate(b.spec.params)}
@@ -195,6 +218,16 @@ class GradReducer:
         flats = [b.flat for b in self.buckets if b.flat is not None]
         shards = [p.grad for p in self.shard_params or () if p.grad is not None]
         return flats + shards + [p.grad for p in self.params if p.grad is not None]
+
+    def reduced_grads(self) -> list[tuple[Parameter, Tensor | None]]:
+        """Stage 0, after a synchronised backward: each parameter's averaged gradient (its
+        ``.grad``, or its bucket slot when the buckets have another dtype), None where no rank used it."""
+        if self.attach_views:
+            return [(p, p.grad) for p in self.params]
+        return [
+            (p, None if i in self._dropped else self._slot[i][0].views[self._slot[i][1]])
+            for i, p in enumerate(self.params)
+        ]
 
     def bucket_specs(self) -> list[BucketSpec]:
         return [b.spec for b in self.buckets]
@@ -285,7 +318,7 @@ class GradReducer:
         size = flat.numel() // self.comm.world_size
         # stage 1 reduces in place into its own chunk; stage 2 into a fresh shard (the bucket is freed)
         own = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
-        bucket.shard_out = own if self.attach_views else torch.empty_like(own)
+        bucket.shard_out = own if bucket.persistent else torch.empty_like(own)
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name)
 
@@ -294,12 +327,12 @@ class GradReducer:
         assert self.shard_params is not None, "stages 1-2 need shard parameters before the first backward"
         for bucket, shard_param in zip(self.buckets, self.shard_params):
             if not self.attach_views:
-                bucket.free()
+                bucket.release()
             if shard_param is None:  # parameters no optimizer updates
                 continue
             # the sub-shard starts at the shard's start and stops before any padding (last ranks)
             out = bucket.shard_out[: shard_param.numel()].to(shard_param.dtype)
-            if self.attach_views or shard_param.grad is None:
+            if self.stage == 1 or shard_param.grad is None:  # stage 2 adds each micro-batch's shard
                 shard_param.grad = out
             else:
                 shard_param.grad.add_(out)
@@ -323,14 +356,17 @@ class GradReducer:
         if missing and not self.find_unused_parameters:
             self._reset_backward_state()
             raise UnusedParametersError(self._unused_message(missing))
-        if used_map is not None:
-            self._drop_globally_unused(used_map)
+        self._dropped = self._drop_globally_unused(used_map) if used_map is not None else set()
         if self.stage >= 1:
             self._deliver_shards()
-        elif not self._rebuilt:
-            self._rebuild()
         if self.on_reduced is not None:
             self.on_reduced()
+        if self.stage == 0:
+            if not self.attach_views:
+                for bucket in self.buckets:
+                    bucket.release()
+            if not self._rebuilt:
+                self._rebuild()
         self._reset_backward_state()
         self._used = [False] * len(self.params)
 
@@ -345,13 +381,14 @@ class GradReducer:
         used = torch.tensor(self._used, dtype=torch.int32, device=device)
         return used, self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map")
 
-    def _drop_globally_unused(self, used_map: tuple[Tensor, Handle]) -> None:
-        """A parameter no rank used keeps ``.grad = None``, as torch DDP leaves it."""
+    def _drop_globally_unused(self, used_map: tuple[Tensor, Handle]) -> set[int]:
+        """A parameter no rank used keeps ``.grad = None``, as torch DDP leaves it; returns them."""
         used, handle = used_map
         handle.wait()
-        for i, count in enumerate(used.tolist()):
-            if count == 0:
-                self.params[i].grad = None
+        dropped = {i for i, count in enumerate(used.tolist()) if count == 0}
+        for i in dropped:
+            self.params[i].grad = None
+        return dropped
 
     def _rebuild(self) -> None:
         """Rebuild the plan once, in the ready order rank 0 observed (see [Note: bucket order])."""

@@ -69,6 +69,13 @@ class FlatParameter:
                 subs[key] = Parameter(self.shard[start:end])
         return subs
 
+    def release_grads(self, optimizer_index: int) -> None:
+        """After that optimizer's step: drop its sub-shards' gradients (their storage is freed
+        unless a bucket still holds it), rather than keep them until the next ``zero_grad``."""
+        for key, sub in self.sub_shards.items():
+            if key[0] == optimizer_index:
+                sub.grad = None
+
     def _local(self, index: int) -> int:
         """A flat-space index as an index into this rank's shard, clamped to it."""
         return min(max(index - self.rank * self.shard_numel, 0), self.shard_numel)

@@ -136,6 +136,8 @@ class ShardedParams:
         if optimizer_index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(optimizer_index)
+        for space in self.spaces:
+            space.release_grads(optimizer_index)
         self.all_gather_params(optimizer_index)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:

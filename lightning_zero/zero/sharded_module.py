@@ -68,6 +68,7 @@ class ShardedUnit:
         comm: Communicator,
         label: str,
         masters: dict[int, Tensor] | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         order = sorted(range(len(params)), key=lambda i: (_key_order(keys[i]), i))
         self.name = name or "root"  # module path; "root" for the whole model
@@ -93,6 +94,7 @@ class ShardedUnit:
         self.full = full
         self.views = [full[o : o + p.numel()].view_as(p) for o, p in zip(self.flat.offsets, ordered)]
         self.placeholder = torch.empty(0, dtype=full.dtype, device=full.device)  # .data while sharded
+        self.reduce_dtype = reduce_dtype or full.dtype  # gradients on the wire
         self.gathered = False  # params point into a complete `full`
         self.meter: GatherMeter | None = None  # shared by the units of one model, set by ZeroThree
         self.gather_handle: Handle | None = None  # in-flight AllGather
@@ -162,7 +164,7 @@ class ShardedUnit:
 
     def reduce_scatter(self) -> None:
         """Copy the unit's gradients into a flat buffer, free them, start the ReduceScatter."""
-        flat = torch.zeros(self.flat.padded_numel, dtype=self.full.dtype, device=self.full.device)
+        flat = torch.zeros(self.flat.padded_numel, dtype=self.reduce_dtype, device=self.full.device)
         for p, offset in zip(self.params, self.flat.offsets):
             if p.grad is not None:
                 flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
@@ -216,6 +218,8 @@ class ZeroThree:
         prefetch_limit: how many units ahead may be in flight at once.
         reshard_after_forward: free non-root units after forward (else keep them for backward).
         accumulate_unsharded: inside ``no_sync()`` keep full gradients, reduce-scatter once.
+        masters: id(parameter) -> its fp32 master value (mixed precision), or None.
+        reduce_dtype: dtype of the gradients on the wire; None: the parameters' own.
     """
 
     def __init__(
@@ -231,6 +235,7 @@ class ZeroThree:
         accumulate_unsharded: bool = False,
         label: str = "zero3",
         masters: dict[int, Tensor] | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.comm = comm
         self.label = label
@@ -239,6 +244,7 @@ class ZeroThree:
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_unsharded = accumulate_unsharded
         self.sync_enabled = True  # False inside no_sync() when accumulate_unsharded
+        self.reduce_dtype = reduce_dtype  # gradients on the wire; None: the parameters' own
         self.units = self._build_units(root, select_units(root, policy), keys, masters)
         self.root_unit = self.units[0] if self.units and self.units[0].module is root else None
         self.forward_order: list[ShardedUnit] = []  # as observed in the first training forward
@@ -259,7 +265,11 @@ class ZeroThree:
             params = owner.items_for(name)
             if params:
                 unit_keys = [keys.get(id(p)) for _, p in params]
-                units.append(ShardedUnit(name, module, params, unit_keys, self.comm, self.label, masters))
+                units.append(
+                    ShardedUnit(
+                        name, module, params, unit_keys, self.comm, self.label, masters, self.reduce_dtype
+                    )
+                )
         return units
 
     def _register_hooks(self, root: nn.Module) -> list:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,7 +20,17 @@ from tests.distributed.harness import run_ranks
 BLOCK = "tests.distributed.models.Block"
 
 
-def _train(rank: int, world: int, stage: int, precision: str, steps: int = 3, sgd: bool = False) -> dict:
+def _train(
+    rank: int,
+    world: int,
+    stage: int,
+    precision: str,
+    steps: int = 3,
+    sgd: bool = False,
+    reduce_dtype: str | None = None,
+    micro: int = 1,
+) -> dict:
+    """``steps`` optimizer steps of ``micro`` micro-batches each (the first ones under no_sync)."""
     model = models.build_stack(seed=100 + rank)
     comm = Communicator()
     broadcast_module_states(model, comm, label="t")
@@ -27,15 +39,18 @@ def _train(rank: int, world: int, stage: int, precision: str, steps: int = 3, sg
     )
     options = {"wrap_policy": BLOCK} if stage == 3 else {}
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **options)
-    engine = make_engine(config, comm, resolve_policy(None, None, precision))
+    engine = make_engine(config, comm, resolve_policy(None, reduce_dtype, precision))
     wrapped = engine.setup(model, [optimizer])
-    batches = models.global_batches(steps, world)
-    for step, batch in enumerate(batches):
+    batches = models.global_batches(steps * micro, world)
+    for step in range(steps):
         comm.ledger.begin_step(step)
-        wrapped(*models.rank_slice(batch, rank)).backward()
+        for m in range(micro):
+            with engine.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                wrapped(*models.rank_slice(batches[step * micro + m], rank)).backward()
         during = measure(model, engine.grad_tensors(), [])
         optimizer.step()
         engine.after_step(optimizer, 0)
+        after = measure(model, engine.grad_tensors(), [optimizer], extra_params=engine.param_tensors())
         optimizer.zero_grad()
     between = measure(model, engine.grad_tensors(), [optimizer], extra_params=engine.param_tensors())
     comm.ledger.begin_step(-1)
@@ -43,6 +58,7 @@ def _train(rank: int, world: int, stage: int, precision: str, steps: int = 3, sg
     return {
         "between": between,
         "grads_during_step": during.gradients,
+        "grads_after_step": after.gradients,  # held by the optimizer's parameters until zero_grad
         "dtype": str(model.emb.weight.dtype),  # stage 3: the placeholder has the gathered dtype
         "state": {k: v.clone() for k, v in state.items()},
         "reduce_bytes": sum(
@@ -51,8 +67,11 @@ def _train(rank: int, world: int, stage: int, precision: str, steps: int = 3, sg
     }
 
 
-def _all(rank: int, world: int, precision: str, sgd: bool = False) -> dict:
-    return {stage: _train(rank, world, stage, precision, sgd=sgd) for stage in (0, 1, 2, 3)}
+def _all(rank: int, world: int, precision: str, sgd: bool = False, reduce_dtype=None, micro: int = 1) -> dict:
+    return {
+        stage: _train(rank, world, stage, precision, sgd=sgd, reduce_dtype=reduce_dtype, micro=micro)
+        for stage in (0, 1, 2, 3)
+    }
 
 
 PSI = sum(p.numel() for p in models.build_stack(0).parameters())
@@ -78,6 +97,11 @@ def test_model_state_memory_per_rank(tmp_path, world):
     # during the step the shard gradient is accumulated in fp32 (4 bytes per element of the shard)
     assert 4 * PSI / world <= r[2]["grads_during_step"] <= 4 * PSI / world + 2 * pad
     assert 4 * PSI / world <= r[3]["grads_during_step"] <= 4 * PSI / world + 2 * pad
+    # right after the step (before zero_grad, which Lightning calls only in the next step) the fp32
+    # gradients of the masters and shards are freed already: only stages 0-1's bf16 buckets remain
+    assert r[0]["grads_after_step"] == 2 * PSI
+    assert 2 * PSI <= r[1]["grads_after_step"] <= 2 * PSI + pad
+    assert r[2]["grads_after_step"] == r[3]["grads_after_step"] == 0
 
 
 def test_bytes_on_the_wire_halve(tmp_path):
@@ -100,3 +124,64 @@ def test_stages_agree_and_checkpoints_hold_fp32_masters(tmp_path):
         assert max_diff(r[stage]["state"], r[0]["state"]) <= 1e-3, stage
     # bf16 compute stays close to fp32 compute over three steps
     assert max_diff(r[0]["state"], fp32) <= 1e-2
+
+
+def _reference(world: int, steps: int, micro: int, lr: float = 0.1) -> dict:
+    """One process, no collectives: bf16 forward/backward of each rank's micro-batches, gradients
+    summed in fp32, an SGD step on fp32 masters, masters rounded into the bf16 model. One thread,
+    as each rank has: CPU kernels split their reductions (LayerNorm's weight gradient, matmuls) by
+    thread, and a bf16 result rounds differently for another split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(world, steps, micro, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(world: int, steps: int, micro: int, lr: float) -> dict:
+    model = models.build_stack(seed=100)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.to(torch.bfloat16)
+    batches = models.global_batches(steps * micro, world)
+    for step in range(steps):
+        total = {n: torch.zeros_like(m) for n, m in masters.items()}
+        for m in range(micro):
+            for rank in range(world):
+                model.zero_grad()
+                model(*models.rank_slice(batches[step * micro + m], rank)).backward()
+                for n, p in model.named_parameters():
+                    total[n] += p.grad.float() / world
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                masters[n] -= lr * total[n]
+                p.copy_(masters[n])
+    return masters
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_fp32_reduce_of_bf16_gradients(tmp_path, micro):
+    """reduce_dtype fp32 under bf16 parameters: every stage equals a reference that sums the bf16
+    gradients in fp32 (to fp32 rounding), and the bytes on the wire are fp32's."""
+    r = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, "fp32", micro)[0]
+    bf16 = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, None, micro)[0]
+    reference = _reference(2, steps=3, micro=micro)
+    for stage in (0, 1, 2, 3):
+        assert r[stage]["dtype"] == "torch.bfloat16"
+        assert max_diff(r[stage]["state"], reference) <= 1e-6, stage
+        assert r[stage]["reduce_bytes"] == 2 * bf16[stage]["reduce_bytes"], stage
+    assert r[0]["reduce_bytes"] == 4 * PSI  # one AllReduce per optimizer step, however many micro-batches
+    # the reference tells the two apart: summing in bf16 rounds the sum to 8 bits of mantissa
+    assert max_diff(bf16[0]["state"], reference) > 1e-6
+
+
+def test_fp32_reduce_memory(tmp_path):
+    """fp32 buckets: 4 bytes of gradient per element in stages 0-1 (stage 0's master gradients are
+    the bucket slots themselves, no second copy); stages 2-3 unchanged."""
+    r = run_ranks(_all, 2, tmp_path, "bf16-mixed", False, "fp32")[0]
+    pad = 2 * 4 * 2 * 12
+    assert r[0]["between"].gradients == 4 * PSI and r[0]["grads_during_step"] == 4 * PSI
+    assert 4 * PSI <= r[1]["between"].gradients <= 4 * PSI + pad
+    assert r[2]["between"].gradients == 0 and r[3]["between"].gradients == 0
+    for stage in (2, 3):
+        assert 4 * PSI / 2 <= r[stage]["grads_during_step"] <= 4 * PSI / 2 + 2 * pad

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import csv
 import os
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
+from lightning_zero.callbacks import ZeroMonitor
 from lightning_zero.precision import ZeroGradScaler
 from tests.compare import max_diff
 from tests.integration.lit import LitTiny, SaveRankParams
@@ -61,22 +64,35 @@ class OverflowOnRankZero(SaveRankParams):
 
 
 def _fit(
-    out_dir, stage: int, *, max_epochs=1, overflow=True, ckpt_path=None, checkpoint=False, lightning_amp=False
+    out_dir,
+    stage: int,
+    *,
+    max_epochs=1,
+    overflow=True,
+    ckpt_path=None,
+    checkpoint=False,
+    lightning_amp=False,
+    reduce_dtype=None,
 ):
     """``lightning_amp``: Lightning's own fp16 AMP plugin (what ``precision="16-mixed"`` gives on GPUs)
     instead of ``param_dtype="fp16"``; the strategy swaps its scaler."""
     os.makedirs(out_dir, exist_ok=True)
-    callbacks = [OverflowOnRankZero(str(out_dir), overflow)]
+    callbacks = [OverflowOnRankZero(str(out_dir), overflow), ZeroMonitor(print_summary=False)]
     if checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out_dir / "ckpt"), save_last=True))
     trainer = Trainer(
-        strategy=ZeroStrategy(stage, param_dtype=None if lightning_amp else "fp16", start_method="spawn"),
+        strategy=ZeroStrategy(
+            stage,
+            param_dtype=None if lightning_amp else "fp16",
+            reduce_dtype=reduce_dtype,
+            start_method="spawn",
+        ),
         plugins=[MixedPrecision("16-mixed", "cpu")] if lightning_amp else None,
         accelerator="cpu",
         devices=2,
         max_epochs=max_epochs,
         limit_val_batches=0,
-        logger=False,
+        logger=CSVLogger(str(out_dir), name="log", version=0),
         enable_checkpointing=checkpoint,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -89,10 +105,18 @@ def _fit(
 
 
 @pytest.mark.parametrize(
-    ("stage", "lightning_amp"), [(0, False), (1, False), (2, False), (3, False), (2, True)]
+    ("stage", "lightning_amp", "reduce_dtype"),
+    [
+        (0, False, None),
+        (1, False, None),
+        (2, False, None),
+        (3, False, None),
+        (2, True, None),
+        (1, False, "fp32"),
+    ],
 )
-def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, stage, lightning_amp):
-    steps, final = _fit(tmp_path, stage, lightning_amp=lightning_amp)
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, stage, lightning_amp, reduce_dtype):
+    steps, final = _fit(tmp_path, stage, lightning_amp=lightning_amp, reduce_dtype=reduce_dtype)
     k = OVERFLOW_STEP
     # sharded stages: only the owner of the poisoned element sees it; stage 0 all-reduces, all see it
     seen = 2 if stage == 0 else 1
@@ -106,6 +130,13 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, stage, ligh
         assert max_diff(rank_steps[k]["params"], rank_steps[k - 1]["params"]) == 0.0  # step skipped
         assert max_diff(rank_steps[k + 1]["params"], rank_steps[k]["params"]) > 0.0  # training goes on
     assert sum(rank_steps[k]["local"] for rank_steps in steps) == seen
+    # ZeroMonitor logs the scale and the skipped steps; the flags' AllReduce is 4 bytes per step
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("zero/loss_scale")]
+    assert [float(r["zero/loss_scale"]) for r in rows[: k + 1]] == [2.0**16] * k + [2.0**15]
+    assert [float(r["zero/skipped_steps"]) for r in rows[k - 1 : k + 1]] == [0.0, 1.0]
+    if stage > 0:
+        assert {float(r["zero/all_reduce_bytes"]) for r in rows} == {4.0}
     assert max_diff(final[0], final[1]) == 0.0
 
 

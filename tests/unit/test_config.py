@@ -91,8 +91,12 @@ def test_precision_policy_from_lightning_flags_and_options():
         resolve_policy("fp16", None, "bf16-mixed")
     with pytest.raises(ValueError, match="param_dtype='bf16' does not go with.*'16-true'"):
         resolve_policy("bf16", None, "16-true")
-    with pytest.raises(ValueError, match="reduce_dtype must equal param_dtype"):
-        resolve_policy("bf16", "fp32", "32-true")
+    fp32_reduce = resolve_policy("bf16", "fp32", "32-true")
+    assert (fp32_reduce.param_dtype, fp32_reduce.reduce_dtype) == (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="reduce_dtype must be param_dtype.*'fp32', got 'fp16'"):
+        resolve_policy("bf16", "fp16", "32-true")
+    with pytest.raises(ValueError, match="reduce_dtype='bf16' needs param_dtype"):
+        resolve_policy(None, "bf16", "32-true")
     with pytest.raises(ValueError, match="param_dtype must be one of"):
         ZeroConfig(param_dtype="half")
 

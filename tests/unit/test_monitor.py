@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_zero.callbacks import (
     OPS,
     FlatLayout,
+    OpBytes,
     RunShape,
     StepSample,
     StepTimes,
@@ -55,6 +56,18 @@ def test_traffic_stage0_all_reduces_the_gradients_once():
     assert got.keys() == {"all_reduce"}
     assert got["all_reduce"].payload == 4 * PSI
     assert got["all_reduce"].wire == 2 * 3 / 4 * 4 * PSI  # 2(N-1)/N x 4Ψ
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_traffic_with_loss_scaling_adds_one_flag_all_reduce(stage):
+    plain = predict_traffic(shape(stage))
+    scaled = predict_traffic(shape(stage)._replace(found_inf=True))
+    flag = scaled["all_reduce"].payload - plain.get("all_reduce", OpBytes(0.0, 0.0)).payload
+    assert flag == 4.0  # one fp32 flag per optimizer step
+    assert scaled["all_reduce"].wire - plain.get("all_reduce", OpBytes(0.0, 0.0)).wire == 2 * 3 / 4 * 4
+    assert {k: v for k, v in scaled.items() if k != "all_reduce"} == {
+        k: v for k, v in plain.items() if k != "all_reduce"
+    }
 
 
 @pytest.mark.parametrize(
