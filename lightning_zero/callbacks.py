@@ -582,12 +582,18 @@ def memory_section(shape: RunShape, measured: MemoryReport, gathered: int) -> Se
     return Section("model-state memory per rank (rank 0)", headers, rows, _memory_notes(shape))
 
 
+def _element_sizes(shape: RunShape) -> str:
+    if shape.param_bytes == shape.grad_bytes:
+        return f"{shape.param_bytes}-byte parameters and gradients"
+    return f"{shape.param_bytes}-byte parameters, {shape.grad_bytes}-byte gradients"
+
+
 def _memory_notes(shape: RunShape) -> tuple[str, ...]:
     sharded = {0: "nothing", 1: "optimizer states", 2: "optimizer states, gradients", 3: "everything"}
     k = "unknown: no prediction" if shape.k is None else f"{shape.k:g}"
     return (
         f"stage {shape.stage} shards {sharded[shape.stage]} over N = {shape.world_size}; "
-        f"{shape.param_bytes}-byte parameters and gradients, {shape.optimizer} k = {k} "
+        f"{_element_sizes(shape)}, {shape.optimizer} k = {k} "
         f"({'with' if shape.master_copy else 'no'} master copy)",
         "parameters and optimizer states after the optimizer step, gradients just before it; "
         "gathered units: parameters held beyond those when backward starts (stage 3)",
