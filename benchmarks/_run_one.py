@@ -39,7 +39,12 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from benchmarks.bench_step_time import DEFAULT_PRECISION, PRECISION_NAMES, STRATEGY_NAMES  # noqa: E402
+from benchmarks.bench_step_time import (  # noqa: E402
+    DEFAULT_PRECISION,
+    PRECISION_NAMES,
+    STRATEGY_NAMES,
+    add_run_arguments,
+)
 from benchmarks.fsdp_cpu import CPUFSDPStrategy  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
@@ -53,17 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--precision", default=DEFAULT_PRECISION, choices=PRECISION_NAMES, help="Trainer(precision=)"
     )
-    p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml")
-    p.add_argument(
-        "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
-    )
     p.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per batch on each rank")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp and zero0-2 bucket cap, MiB")
-    p.add_argument("--wrap-policy", default="examples.gpt.Block", help="zero3 / fsdp unit class")
-    p.add_argument("--devices", type=int, default=2, help="CPU processes")
-    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
-    p.add_argument("--seed", type=int, default=1234)
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 

@@ -76,6 +76,20 @@ class Summary(NamedTuple):
     precision: str = DEFAULT_PRECISION  # Trainer(precision=...) of the variant's runs
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What one run is given: read here and by ``_run_one.py``, which this script passes them to."""
+    p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml: gpt_tiny | gpt_small")
+    p.add_argument(
+        "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="samples per batch on each rank")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp and zero0-2 bucket cap, MiB")
+    p.add_argument("--wrap-policy", default="examples.gpt.Block", help="zero3 / fsdp unit class")
+    p.add_argument("--devices", type=int, default=2, help="CPU processes per run")
+    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
+    p.add_argument("--seed", type=int, default=1234)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", default="zero0,ddp,zero1,zero2", help="comma-separated, run in this order")
@@ -88,16 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=4, help="runs per variant (interleaved)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=10, help="first steps of a run left out of its median")
-    p.add_argument("--model", default="gpt_small", help="configs/model/<name>.yaml: gpt_tiny | gpt_small")
-    p.add_argument(
-        "--model-arg", action="append", default=[], metavar="KEY=VALUE", help="override a model field"
-    )
-    p.add_argument("--batch-size", type=int, default=16, help="samples per batch on each rank")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp and zero0-2 bucket cap, MiB")
-    p.add_argument("--wrap-policy", default="examples.gpt.Block", help="zero3 / fsdp unit class")
-    p.add_argument("--devices", type=int, default=2, help="CPU processes per run")
-    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
-    p.add_argument("--seed", type=int, default=1234)
+    add_run_arguments(p)
     p.add_argument("--json", type=Path, default=None, help="write the summary and every run here")
     p.add_argument(
         "--also-vs",

@@ -522,19 +522,8 @@ def _plot_memory(plt: Any, path: Path, inp: PlanInputs) -> Path:
         ax.plot(ns, gb, marker="o", markersize=3, label=name)
     if inp.device_memory:
         ax.axhline(inp.device_memory / memory.GB, color="black", linestyle="--", label="device memory")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="data-parallel ranks N",
-        ylabel="model states per rank, GB",
-        title=f"Model-state memory per rank, Ψ = {_count(inp.psi)}",
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    title = f"Model-state memory per rank, Ψ = {_count(inp.psi)}"
+    return _save_log_log(plt, fig, ax, path, "data-parallel ranks N", "model states per rank, GB", title)
 
 
 def _plot_buckets(plt: Any, path: Path, rec: comm.BucketRecommendation, n: int) -> Path:
@@ -545,13 +534,13 @@ def _plot_buckets(plt: Any, path: Path, rec: comm.BucketRecommendation, n: int) 
     ax.axvline(
         rec.bucket_cap_mb, color="green", linestyle="--", label=f"recommended {rec.bucket_cap_mb:g} MiB"
     )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="bucket_cap_mb, MiB",
-        ylabel="ms",
-        title=f"Gradient AllReduce exposed after backward (N = {n})",
-    )
+    title = f"Gradient AllReduce exposed after backward (N = {n})"
+    return _save_log_log(plt, fig, ax, path, "bucket_cap_mb, MiB", "ms", title)
+
+
+def _save_log_log(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Log-log axes with a grid and a legend, written to ``path``; the figure is closed."""
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

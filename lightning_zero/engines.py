@@ -92,10 +92,7 @@ class Engine:
         """After the optimizer stepped: masters into the parameters; stages 1-2 all-gather them."""
         if not self.masters:
             return
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.masters[id(p)])
-                p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
+        self.values_loaded()
         for group in optimizer.param_groups:  # the fp32 master gradients: freed now, not at zero_grad
             for master in group["params"]:
                 master.grad = None
@@ -153,7 +150,7 @@ class Engine:
         return [[param_of.get(id(q), q) for q in group["params"]] for group in optimizer.param_groups]
 
     def values_loaded(self) -> None:
-        """Shards and masters were overwritten (a checkpoint): bring the module's parameters in line."""
+        """Shards and masters were overwritten (a step, a checkpoint): bring the module's parameters in line."""
         if not self.masters:
             return
         with torch.no_grad():

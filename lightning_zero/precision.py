@@ -186,8 +186,9 @@ class ZeroGradScaler(torch.amp.GradScaler):
         flag.clamp_(max=1.0)
         local = flag.clone()
         self.comm.all_reduce(flag, name=f"{self.label}/all_reduce/found_inf", async_op=False)
-        self.local_found_inf = bool(local.item())
-        self.ranks_found_inf = round(flag.item())
+        mine, ranks = torch.stack((local, flag)).tolist()  # one device sync for both
+        self.local_found_inf = bool(mine)
+        self.ranks_found_inf = round(ranks)
         self.skipped_steps += int(self.ranks_found_inf > 0)
         for value in found.values():
             value.copy_(flag.to(value.device))

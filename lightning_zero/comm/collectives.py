@@ -15,7 +15,8 @@ import functools
 import pickle
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -219,16 +220,9 @@ class Communicator:
         """
         from torch.distributed import checkpoint as dcp
 
-        no_dist = local or not is_distributed() or not self.active
-        with torch.profiler.record_function(name), warnings.catch_warnings():
-            # one process on purpose: DCP's warning that it assumes so says nothing new
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with self._dcp_call(name, local) as no_dist:
             dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self.group,
-                no_dist=no_dist,
+                state_dict, storage_writer=writer, planner=planner, process_group=self.group, no_dist=no_dist
             )
 
     def load_checkpoint_items(
@@ -238,17 +232,18 @@ class Communicator:
         reads only the chunks its items overlap (a collective, unless ``local``)."""
         from torch.distributed import checkpoint as dcp
 
-        no_dist = local or not is_distributed() or not self.active
+        with self._dcp_call(name, local) as no_dist:
+            dcp.load(
+                state_dict, storage_reader=reader, planner=planner, process_group=self.group, no_dist=no_dist
+            )
+
+    @contextmanager
+    def _dcp_call(self, name: str, local: bool) -> Generator[bool, None, None]:
+        """Around a DCP save or load: named for the profiler; yields DCP's ``no_dist``."""
         with torch.profiler.record_function(name), warnings.catch_warnings():
             # one process on purpose: DCP's warning that it assumes so says nothing new
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                state_dict,
-                storage_reader=reader,
-                planner=planner,
-                process_group=self.group,
-                no_dist=no_dist,
-            )
+            yield local or not is_distributed() or not self.active
 
 
 def _group_by_dtype_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
