@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MIB = 2**20  # bytes; bucket caps are in MiB, as torch DDP's bucket_cap_mb
 DEFAULT_ALPHA = 16e-6  # s; a small-message AllReduce on one 8xH100 node (nccl-tests)
@@ -380,30 +380,18 @@ def recommend_bucket_cap_mb(
     layer_sizes: Sequence[int],
     backward_times: Sequence[float],
     *,
-    world_size: int,
-    bandwidth: float,
-    alpha: float = DEFAULT_ALPHA,
-    grad_bytes: float = 2,
-    first_bucket_cap_mb: float | None = 1.0,
     caps_mb: Sequence[float] = DEFAULT_CAPS_MB,
+    **options: Any,
 ) -> BucketRecommendation:
-    """The cap in ``caps_mb`` with the least exposed communication (arguments as :func:`simulate_buckets`).
+    """The cap in ``caps_mb`` with the least exposed communication; ``options`` (``world_size``,
+    ``bandwidth``, ``alpha``, ...) as for :func:`sweep_bucket_caps`.
 
     Caps within a relative 1e-9 of the minimum tie; the tie goes to the fewest buckets (the
     largest cap), which is the least sensitive to an underestimated alpha.
     """
     if not caps_mb:
         raise ValueError("caps_mb must name at least one bucket cap")
-    sweep = sweep_bucket_caps(
-        layer_sizes,
-        backward_times,
-        world_size=world_size,
-        bandwidth=bandwidth,
-        alpha=alpha,
-        grad_bytes=grad_bytes,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        caps_mb=caps_mb,
-    )
+    sweep = sweep_bucket_caps(layer_sizes, backward_times, caps_mb=caps_mb, **options)
     best = min(s.exposed for s in sweep)
     tolerance = 1e-9 * (sweep[0].backward + sweep[0].comm)
     tied = [s for s in sweep if s.exposed <= best + tolerance]
