@@ -29,6 +29,7 @@ stages accept the optimizers in :data:`ELEMENTWISE` and those a user declares wi
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -88,7 +89,8 @@ def check_shardable(optimizer: Optimizer, declared: Sequence[type] = ()) -> None
     if cls in ELEMENTWISE or cls in _DECLARED or cls in declared:
         return
     base = next((b for b in ELEMENTWISE if issubclass(cls, b)), None)
-    if base is not None and cls.step is base.step:  # a subclass that keeps its base's update
+    # a subclass that keeps its base's update (torch wraps step() in profiling hooks per class)
+    if base is not None and inspect.unwrap(cls.step) is inspect.unwrap(base.step):
         return
     raise ShardingError(
         f"{cls.__module__}.{cls.__qualname__} is not known to be elementwise, so the sharded stages "
