@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
-from lightning_zero.zero.flat_param import FlatParameter, original_indices
+from lightning_zero.zero.flat_param import FlatParameter, full_optimizer_state, original_indices
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class _Overlap(NamedTuple):
     """The part of one parameter of a flat space that lies in this rank's shard."""
 
     param: nn.Parameter
-    key: Any  # (optimizer index, group index) or None
+    position: int  # the parameter's position in its flat space
     numel: int  # elements of the whole parameter
     start: int  # first element inside the shard (1D, shard_numel)
     stop: int  # one past the last
@@ -196,13 +196,11 @@ class _Overlap(NamedTuple):
 
 def _overlaps(flat: FlatParameter) -> list[_Overlap]:
     """This rank's part of every parameter of ``flat`` (empty parts left out)."""
-    begin = flat.rank * flat.shard_numel
-    out = []
-    for p, shape, key, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
-        lo, hi = max(offset, begin), min(offset + shape.numel(), begin + flat.shard_numel)
-        if lo < hi:
-            out.append(_Overlap(p, key, shape.numel(), lo - begin, hi - begin, lo - offset))
-    return out
+    return [
+        _Overlap(p, i, shape.numel(), start, stop, offset)
+        for i, (p, shape, (start, stop, offset)) in enumerate(zip(flat.params, flat.shapes, flat.slices))
+        if start < stop
+    ]
 
 
 def _spaces(engine: Any) -> list[FlatParameter]:
@@ -361,20 +359,20 @@ def _whole_item(sname: str, value: Any, shape: torch.Size) -> Any:
 
 
 def _sub_shard_pieces(engine: Any, optimizer: Optimizer, index: int, names: dict[int, str]) -> dict:
-    """Stages 1-3: per parameter, the slice of each sub-shard state that lies in it."""
+    """Stages 1-3: per parameter, its sub-shard's state: per-element state as a Piece of the
+    parameter's flattening (left out where this rank holds none of it), scalars as they are."""
     state: dict[str, dict[str, Any]] = {}
     for flat in engine.flat_spaces():
-        for o in _overlaps(flat):
-            if o.key is None or o.key[0] != index:
-                continue
-            sub_state = optimizer.state.get(flat.sub_shards[o.key], {})
-            base = flat.sub_shard_offset(o.key)  # where the sub-shard starts in the shard
-            for sname, value in sub_state.items():
+        for i, sub in flat.optimizer_subs(index).items():
+            start, stop, offset = flat.slices[i]
+            for sname, value in optimizer.state.get(sub, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0:
-                    item = Piece(value.detach()[o.start - base : o.stop - base], o.offset, o.numel)
+                    if start == stop:
+                        continue
+                    item = Piece(value.detach(), offset, flat.shapes[i].numel())
                 else:
                     item = value.detach() if isinstance(value, Tensor) else _Kept(value)
-                state.setdefault(names[id(o.param)], {})[sname] = item
+                state.setdefault(names[id(flat.params[i])], {})[sname] = item
     return state
 
 
@@ -423,44 +421,7 @@ def gather_optimizer_state(
     ``{}``, never holding more than their own shards. Every rank must call it.
     """
     groups = engine.group_params(optimizer, index)
-    ids = original_indices(groups)
-    state: dict[int, dict[str, Any]] = {}
-    for flat in engine.flat_spaces():
-        subs = {k: s for k, s in flat.sub_shards.items() if k[0] == index}
-        for sname in sorted({n for s in subs.values() for n in optimizer.state.get(s, {})}):
-            _gather_one(optimizer, flat, subs, sname, ids, state, comm, engine.label)
-    if comm.rank != 0:
-        return {}
-    param_groups = [
-        {**_hyper(g), "params": [ids[id(p)] for p in ps]} for g, ps in zip(optimizer.param_groups, groups)
-    ]
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
-
-
-def _gather_one(optimizer, flat, subs, sname, ids, state, comm, label) -> None:
-    values = {k: optimizer.state.get(s, {}).get(sname) for k, s in subs.items()}
-    sample = next(v for v in values.values() if v is not None)
-    full = None
-    if isinstance(sample, Tensor) and sample.dim() > 0:  # per-element: shard by shard to rank 0
-        chunk = torch.zeros(flat.shard_numel, dtype=sample.dtype, device=sample.device)
-        for key, value in values.items():
-            if value is not None and value.numel():
-                start = flat.sub_shard_offset(key)
-                chunk[start : start + value.numel()].copy_(value)
-        if comm.rank == 0:
-            full = torch.empty(flat.padded_numel, dtype=sample.dtype, device=sample.device)
-        comm.gather(full, chunk, dst=0, name=f"{label}/gather/optimizer_state")
-    if comm.rank != 0:
-        return
-    for p, shape, key, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
-        if key not in subs:
-            continue
-        entry = state.setdefault(ids[id(p)], {})
-        if full is not None:
-            entry[sname] = full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
-        else:
-            value = values[key] if values[key] is not None else sample
-            entry[sname] = value.to("cpu", copy=True) if isinstance(value, Tensor) else value
+    return full_optimizer_state(optimizer, index, engine.flat_spaces(), groups, comm, engine.label, dst=0)
 
 
 def save_full(
@@ -862,46 +823,37 @@ def _load_sub_shards(
     dest: dict[str, Any] = {}
     builders = []
     for flat in engine.flat_spaces():
-        parts = _overlaps(flat)
-        for key, sub in flat.sub_shards.items():
-            if key[0] == st.index:
-                members = [names[id(p)] for p, k in zip(flat.params, flat.keys) if k == key]
-                build = _plan_sub_shard(flat, key, sub, parts, members, index, st.metadata, dest, names)
-                builders.append((sub, build))
+        for i, sub in flat.optimizer_subs(st.index).items():
+            entries = index.get(names[id(flat.params[i])], {})
+            if entries:
+                builders.append((sub, _plan_sub_shard(flat, i, sub, entries, st.metadata, dest)))
     comm.load_checkpoint_items(
         dest, _reader(st.path), _LoadPlanner(), name=f"checkpoint/load/optimizer={st.index}"
     )
     for sub, build in builders:
-        state = build()
-        if state:
-            optimizer.state[sub] = state
+        optimizer.state[sub] = build()
 
 
-def _plan_sub_shard(flat, key, sub, parts, members, index, metadata, dest, names) -> Callable[[], dict]:
+def _plan_sub_shard(flat, i, sub, entries, metadata, dest) -> Callable[[], dict]:
     """Register what one sub-shard reads into ``dest``; return what assembles its state after.
 
-    Per-element states: a zero buffer shaped like the sub-shard, each parameter's slice read into
-    its part (a parameter the checkpoint has no such state for stays zero). Scalars (step): the
-    first member parameter's value; empty sub-shards get them too, as the optimizer gave them.
+    Per-element states: a buffer shaped like the sub-shard, read from its slice of the parameter's
+    flattening. Scalars (step): read whole; empty sub-shards get them too, as the optimizer gave them.
     """
-    base = flat.sub_shard_offset(key)
+    start, stop, offset = flat.slices[i]
     mds = metadata.state_dict_metadata
-    snames = sorted({s for n in members for s in index.get(n, {})})
     per_element: dict[str, Tensor] = {}
     scalars: dict[str, str] = {}
-    for sname in snames:
-        first = next(index[n][sname] for n in members if sname in index.get(n, {}))
-        md = mds[first]
+    for sname, fqn in entries.items():
+        md = mds[fqn]
         if not _is_per_element(md):
-            dest.setdefault(first, _destination(md))
-            scalars[sname] = first
+            dest.setdefault(fqn, _destination(md))
+            scalars[sname] = fqn
             continue
         dtype = sub.dtype if md.properties.dtype.is_floating_point else md.properties.dtype
-        buf = torch.zeros(sub.numel(), dtype=dtype, device=sub.device)
-        for o in parts:
-            fqn = index.get(names[id(o.param)], {}).get(sname) if o.key == key else None
-            if fqn is not None:
-                dest[fqn] = Piece(buf[o.start - base : o.stop - base], o.offset, o.numel)
+        buf = torch.zeros(stop - start, dtype=dtype, device=sub.device)
+        if stop > start:
+            dest[fqn] = Piece(buf, offset, flat.shapes[i].numel())
         per_element[sname] = buf
 
     def build() -> dict[str, Any]:
