@@ -110,7 +110,8 @@ def start_cluster() -> SlurmCluster:
     Its processes are this cluster's alone: ``stop()`` ends them and removes the folder, and leaves
     every other cluster on the host running.
     """
-    cluster_dir = Path(tempfile.mkdtemp(prefix="lightning_zero_slurm-"))
+    # in /tmp, not below pytest's folder: munged wants every folder above its socket open to all
+    cluster_dir = Path(tempfile.mkdtemp(prefix="lightning_zero_slurm-", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LZ_SLURM_")}  # start.sh picks the ports
     env["LZ_SLURM_DIR"] = str(cluster_dir)
     started = run(["bash", str(CI_SLURM / "start.sh")], timeout=180, env=env)
