@@ -312,7 +312,7 @@ class FullyShardedEngine(Engine):
             values = self._master_values()
             for p in self.params:
                 p.data = values[id(p)]
-            self.zero3.release()
+        self.zero3.release(wait=not failed)
         self.finished = True
 
     def flat_spaces(self) -> list[FlatParameter]:

@@ -196,12 +196,13 @@ def full_parameters(spaces: Sequence[FlatParameter], comm: Communicator, label: 
 
 
 def state_dict_with(module: torch.nn.Module, values: dict[int, Tensor]) -> dict[str, Tensor]:
-    """``module.state_dict()`` with the given parameter values, under every name a parameter has."""
-    state = module.state_dict()
+    """``module.state_dict()`` with the given parameter values, under every name a parameter has
+    (sharded parameters are never read: see [Note: sharded parameters] in unit.py)."""
+    state = module.state_dict(keep_vars=True)
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in values:
             state[name] = values[id(p)]
-    return state
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _offsets(shapes: Sequence[torch.Size]) -> list[int]:

@@ -23,13 +23,14 @@ ahead of its own backward (a checkpoint spanning several units, or a reentrant o
 in forward and gathered again when its backward begins.
 
 [Note: parameters outside forward]
-Outside its gathers a unit's parameters hold empty placeholders. Inside a step (the code Lightning
-runs through the root wrapper: ``training_step`` and the evaluation steps) reading a sharded
-parameter through its module (``self.parameters()``, ``block.fc.weight``) raises an error that
-names it, instead of computing with the placeholder. Code that needs whole parameters outside
-their unit's forward (a penalty over all parameters, a weight norm) runs inside
-:meth:`ZeroThree.gathered` (every rank at once); with gradients enabled inside a step the units
-then stay gathered until the end of the next backward, so the penalty's gradients reach them.
+Outside its gathers a unit's parameters hold empty placeholders, and any computation with one
+raises an error that names it (see [Note: sharded parameters] in unit.py) instead of computing
+with the placeholder; what a parameter is (shape of the placeholder, dtype, device, requires_grad)
+can still be read. Code that needs whole parameters outside their unit's forward (a penalty over
+all parameters, a weight norm) runs inside :meth:`ZeroThree.gathered` (every rank at once); with
+gradients enabled inside a step the units then stay gathered until the end of the next backward,
+so the penalty's gradients reach them. The root unit (parameters outside every other unit) is
+gathered for the whole step and its backward.
 
 Every rank runs the same units in the same order, so the collectives match (see [Note: same
 collectives everywhere] in grad_sync/reducer.py).
@@ -123,7 +124,6 @@ class ZeroThree:
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._unit_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._handles = self._register_hooks(root)
-        self._guards = _install_guards(self)
 
     def _build_units(self, root: nn.Module, unit_modules: list, masters, reduce_dtype) -> list[ShardedUnit]:
         owner = _owning_units(root, unit_modules)
@@ -155,15 +155,15 @@ class ZeroThree:
                 handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
-                handles.append(module.register_forward_pre_hook(lambda *_: self._gather_root()))
+                handles.append(
+                    module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._gather_root()))
+                )
         return handles
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        _remove_guards(self._guards)
-        self._guards = []
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -195,6 +195,7 @@ class ZeroThree:
         self._in_step = False
 
     def _pre_forward_hook(self, unit: ShardedUnit):
+        @torch.compiler.disable  # collectives and storage changes run eagerly, also in a compiled module
         def hook(module: nn.Module, args: Any) -> None:
             if _in_backward():  # recomputed by activation checkpointing: no forward-order prefetch
                 unit.gather()
@@ -208,6 +209,7 @@ class ZeroThree:
         return hook
 
     def _post_forward_hook(self, unit: ShardedUnit):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if _in_backward() and unit.state is PRE_BACKWARD:
                 return  # recomputed in the middle of its own backward: it stays gathered
@@ -371,9 +373,9 @@ class ZeroThree:
         for unit in self.units:
             unit.after_step()
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = True) -> None:
         for unit in self.units:
-            unit.release()
+            unit.release(wait=wait)
 
     def grad_tensors(self) -> list[Tensor]:
         return [u.flat.grad for u in self.units if u.flat.grad is not None]
@@ -432,64 +434,3 @@ def _root_param_owners(root: nn.Module, units: list[ShardedUnit]) -> list[nn.Mod
             owners.append(module)
         stack.extend(module.children())
     return owners
-
-
-class _GuardedParameters(dict):
-    """A module's ``_parameters`` while stage 3 shards some of them (see [Note: parameters outside
-    forward]): reading a sharded one inside a step raises an error that names it."""
-
-    def __init__(self, params: dict, zero3: ZeroThree, owned: dict[str, tuple[ShardedUnit, str]]) -> None:
-        super().__init__(params)
-        self.zero3 = zero3  # whose steps are guarded
-        self.owned = owned  # parameter attribute name -> (its unit, its full name)
-
-    def _check(self, names: Any) -> None:
-        if not self.zero3._in_step or torch.compiler.is_compiling():
-            return
-        for name in names:
-            entry = self.owned.get(name)
-            if entry is not None and not entry[0].gathered:
-                raise _sharded_access_error(self.zero3, *entry)
-
-    def __getitem__(self, name: str) -> Any:
-        self._check((name,))
-        return dict.__getitem__(self, name)
-
-    def items(self):  # type: ignore[override]
-        self._check(self.owned)
-        return dict.items(self)
-
-    def values(self):  # type: ignore[override]
-        self._check(self.owned)
-        return dict.values(self)
-
-
-def _sharded_access_error(zero3: ZeroThree, unit: ShardedUnit, name: str) -> RuntimeError:
-    return RuntimeError(
-        f"stage 3: parameter {name!r} is sharded here (this rank holds 1/{zero3.comm.world_size} of it; its "
-        f"wrap unit {unit.name!r} is gathered only during its own forward and backward), so it cannot be read "
-        "in the step outside that unit's forward. Read or use parameters outside their unit's forward (a "
-        "penalty over self.parameters(), a weight norm) inside `with self.trainer.strategy.gathered():` on "
-        "every rank (its gradients then reach the parameters), or leave that module out of the wrap policy "
-        "so that it belongs to the root unit, which stays gathered for the whole step."
-    )
-
-
-def _install_guards(zero3: ZeroThree) -> list[nn.Module]:
-    """Guard the ``_parameters`` of every module that directly holds a non-root unit's parameters."""
-    guarded = []
-    for unit in zero3.units:
-        if unit is zero3.root_unit:
-            continue
-        held = {id(p): n for p, n in zip(unit.params, unit.names)}
-        for module in unit.module.modules():
-            owned = {k: (unit, held[id(p)]) for k, p in module._parameters.items() if id(p) in held}
-            if owned and not isinstance(module._parameters, _GuardedParameters):
-                module._parameters = _GuardedParameters(module._parameters, zero3, owned)
-                guarded.append(module)
-    return guarded
-
-
-def _remove_guards(modules: list[nn.Module]) -> None:
-    for module in modules:
-        module._parameters = dict(dict.items(module._parameters))

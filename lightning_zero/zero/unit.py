@@ -26,13 +26,96 @@ went out, even when activation checkpointing runs its forward again in the middl
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.zero.flat_param import FlatParameter
+
+# [Note: sharded parameters]
+# While its unit is sharded a parameter's class is a subclass of its own whose __torch_function__
+# lets through only what describes the tensor (shape, dtype, device, requires_grad, .grad, .data,
+# numel, storage) and raises, naming the parameter, for anything that would compute with it: a
+# penalty over self.parameters() or a weight norm outside the unit's forward fails at once instead of
+# summing empty placeholders. Gathering gives the parameter its own class back, so forward and
+# backward run on plain parameters at no cost.
+_DESCRIBE = {
+    getattr(getattr(torch.Tensor, name), accessor)
+    for name in (
+        "shape",
+        "dtype",
+        "device",
+        "requires_grad",
+        "grad",
+        "data",
+        "is_leaf",
+        "layout",
+        "ndim",
+        "grad_fn",
+    )
+    for accessor in ("__get__", "__set__")
+    if hasattr(getattr(torch.Tensor, name), accessor)
+} | {
+    getattr(torch.Tensor, name)
+    for name in (
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "untyped_storage",
+        "data_ptr",
+        "is_contiguous",
+        "requires_grad_",
+        "__repr__",
+        "__hash__",
+        "__format__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "__reduce_ex__",
+    )
+}
+
+
+class _Sharded:
+    """Mixed into a parameter's class while it is sharded (see [Note: sharded parameters])."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _DESCRIBE or torch.compiler.is_compiling():
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        used = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, _Sharded))
+        raise RuntimeError(
+            f"stage 3: parameter {getattr(used, '_zero_name', '?')!r} is sharded here (this rank holds a 1/N "
+            f"slice of it; its wrap unit is gathered only for its own forward and backward), so "
+            f"{getattr(func, '__name__', func)} cannot compute with it. Read or use parameters outside their "
+            "unit's forward (a penalty over self.parameters(), a weight norm) inside `with "
+            "trainer.strategy.gathered():` on every rank (a penalty's gradients then reach them), or leave that "
+            "module out of the wrap policy so that it belongs to the root unit, gathered for the whole step."
+        )
+
+
+@functools.cache
+def _sharded_class(cls: type) -> type:
+    return type(f"Sharded{cls.__name__}", (_Sharded, cls), {"_zero_base": cls})
+
+
+def _mark_sharded(p: nn.Parameter) -> None:
+    if not isinstance(p, _Sharded):
+        p.__class__ = _sharded_class(type(p))
+
+
+def _mark_whole(p: nn.Parameter) -> None:
+    if isinstance(p, _Sharded):
+        p.__class__ = type(p)._zero_base
 
 
 class TrainingState(Enum):
@@ -86,6 +169,8 @@ class ShardedUnit:
         self.name = name or "root"  # module path; "root" for the whole model
         self.module = module  # the wrapped module
         self.names = [n for n, _ in params]  # parameter names (relative to the root), layout order
+        for n, p in params:
+            p._zero_name = n  # named in the error for computing with it while sharded
         self.comm = comm
         self.label = label
         _check_uniform(self.name, params)
@@ -149,6 +234,7 @@ class ShardedUnit:
             self.gather_handle.wait()
             self.gather_handle = None
             for p, view in zip(self.params, self.views):
+                _mark_whole(p)
                 p.data = view
             self.gathered = True
 
@@ -160,13 +246,17 @@ class ShardedUnit:
         self.finish_gather()
         for p in self.params:
             p.data = self.placeholder
+            _mark_sharded(p)
         self._free_full()
 
-    def release(self) -> None:
-        """Teardown: the parameters hold values of their own now (no view of ``full``); free it."""
-        if self.gather_handle is not None:
+    def release(self, *, wait: bool = True) -> None:
+        """Teardown: the parameters hold values of their own now (no view of ``full``, or their
+        placeholders after a failure, when nothing is waited); free it."""
+        if self.gather_handle is not None and wait:
             self.gather_handle.wait()
-            self.gather_handle = None
+        self.gather_handle = None
+        for p in self.params:
+            _mark_whole(p)
         self._free_full()
 
     def _free_full(self) -> None:
