@@ -1,6 +1,6 @@
 """ZeroConfig: every option of the strategy, validated where it enters.
 
-The same dataclass is registered in Hydra's ConfigStore (``strategy/zero_schema``), so a typo in a
+The same dataclass is registered in Hydra's ConfigStore (``schema/strategy``), so a typo in a
 command-line override (``strategy.bucket_cap_mbb=1``) is an error instead of a silently ignored key.
 """
 
@@ -181,7 +181,12 @@ def _check_positive(name: str, value: Any) -> None:
 
 
 def register_hydra_schema() -> None:
-    """Register ZeroConfig as ``strategy/zero_schema`` in Hydra's ConfigStore (idempotent)."""
+    """Register ZeroConfig as ``schema/strategy`` in Hydra's ConfigStore (idempotent).
+
+    A strategy config extends it with ``defaults: [/schema/strategy@_here_, _self_]``. It lives
+    outside the ``strategy`` group so that the group's options are the stages alone: a wrong
+    ``strategy=zero9`` is refused with the list of them.
+    """
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="strategy", name="zero_schema", node=ZeroConfig)
+    ConfigStore.instance().store(group="schema", name="strategy", node=ZeroConfig)
