@@ -57,6 +57,17 @@ class ZeroConfig:
         reduce_dtype: dtype of gradients on the wire and of their accumulation across
             micro-batches; None: param_dtype. "fp32" under bf16/fp16 parameters sums in fp32
             (twice the bytes on the wire; stages 0-1 hold fp32 gradient buckets).
+        param_init_fn: stage 3, deferred initialisation (a model built in ``configure_model`` or
+            under ``trainer.init_module(empty_init=True)``, on the meta device): called with every
+            module that owns meta tensors, children first, after the module's own
+            ``reset_parameters()``; a callable or its import path. None: ``reset_parameters()``
+            alone (a module without one is an error naming it).
+        gather_at_teardown: stage 3, the end of fit: True gathers the full weights into the
+            module on every rank (the whole model on each rank once more; handy for evaluating a
+            small model afterwards), False leaves it sharded (``strategy.full_state_dict()`` and
+            ``strategy.gathered()`` still give full weights, and calling the module still
+            gathers each unit as it runs). None: True unless the model was built on the meta
+            device, the sign that it does not fit one rank.
         max_reduce_buffers: stages 2-3: how many full-size gradient buffers (reduce-scatter inputs)
             may be alive at once in backward; before another reduce-scatter starts, the oldest is
             waited and its buffer freed. Small keeps the gradient memory of backward at a few
@@ -86,6 +97,10 @@ class ZeroConfig:
     reduce_dtype: str | None = None  # gradients on the wire; None: param_dtype
     state_dict_type: str = "full"  # checkpoints: "full" (one file, rank 0) or "sharded" (a directory)
     max_reduce_buffers: int = 2  # stages 2-3: full-size gradient buffers in flight at most
+    param_init_fn: Any = None  # stage 3 deferred init: fn(module) (or its import path) after reset_parameters
+    gather_at_teardown: bool | None = (
+        None  # stage 3: full weights into the module after fit; None: unless deferred
+    )
     elementwise_optimizers: list[Any] = field(default_factory=list)  # extra optimizers safe to shard
 
     def __post_init__(self) -> None:
@@ -103,6 +118,12 @@ class ZeroConfig:
         if self.state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
                 f"state_dict_type must be one of {list(STATE_DICT_TYPES)}, got {self.state_dict_type!r}"
+            )
+        if self.gather_at_teardown is not None:
+            _check_bool("gather_at_teardown", self.gather_at_teardown)
+        if self.stage != 3 and (self.param_init_fn is not None or self.gather_at_teardown is not None):
+            raise ValueError(
+                f"param_init_fn and gather_at_teardown apply to stage 3 only, got stage={self.stage}"
             )
         _check_int("max_reduce_buffers", self.max_reduce_buffers)
         if self.max_reduce_buffers < 1:
@@ -138,6 +159,10 @@ class ZeroConfig:
             from lightning_zero.zero.optimizer import resolve_optimizer_classes
 
             resolve_optimizer_classes(self.elementwise_optimizers)
+        if self.param_init_fn is not None:
+            from lightning_zero.zero.deferred import resolve_init_fn
+
+            resolve_init_fn(self.param_init_fn)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

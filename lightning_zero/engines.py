@@ -25,11 +25,13 @@ from lightning_zero.comm import Communicator
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import ZeroModule, trainable_parameters, wrap_module
 from lightning_zero.precision import PrecisionPolicy, cast_parameters
+from lightning_zero.zero.deferred import Initializer, is_deferred, resolve_init_fn
 from lightning_zero.zero.flat_param import (
     FlatParameter,
     clip_grad_norm_,
     full_optimizer_state,
     full_parameters,
+    gather_values,
     load_full_optimizer_state,
     state_dict_with,
 )
@@ -49,6 +51,22 @@ class Engine:
 
     sharded = False  # optimizer state lives in shards (stages 1-3)
 
+    @property
+    def streams_values(self) -> bool:
+        """The optimizer's parameter values live in shards (stage 3; stages 1-2's fp32 masters): a
+        full checkpoint gathers them while it is written (see [Note: streamed full checkpoints])."""
+        return False
+
+    def optimizer_of(self, index: int) -> Optimizer:
+        return self.optimizers[index]
+
+    @property
+    def buffer_meter(self) -> Any:
+        """Full-size gradient buffers alive in backward (stage 2's buckets, stage 3's units), now and
+        at most; None where gradients live in persistent buckets (stages 0-1)."""
+        sync = self.wrapped.sync if self.wrapped is not None else None
+        return getattr(sync, "buffer_meter", None) if self.config.stage >= 2 else None
+
     def __init__(self, config: ZeroConfig, comm: Communicator, policy: PrecisionPolicy | None = None) -> None:
         self.config = config
         self.comm = comm
@@ -57,10 +75,14 @@ class Engine:
         self.wrapped: ZeroModule | None = None  # the root wrapper, once set up
         self.params: list[nn.Parameter] = []  # the module's trainable parameters
         self.masters: dict[int, nn.Parameter] = {}  # stage 0 with a policy: id(param) -> fp32 master
+        self.optimizers: list[Optimizer] = []  # the optimizers set up with the module
         self.finished = False  # teardown ran (see [Note: after fitting])
 
-    def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
-        """Wrap ``module``; ``optimizers`` exist already for the sharded stages and under a policy."""
+    def setup(self, module: nn.Module, optimizers: Sequence[Optimizer], **placement: Any) -> ZeroModule:
+        """Wrap ``module``; ``optimizers`` exist already for the sharded stages and under a policy.
+        (``placement``: stage 3's device and random state; the module is in place already here.)"""
+        _refuse_meta(module, self.config.stage)
+        self.optimizers = list(optimizers)
         self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
         self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
@@ -124,7 +146,7 @@ class Engine:
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full model under the original names, parameters as the optimizer holds them."""
-        if self.finished:  # teardown gave the module its values back
+        if self.finished and not getattr(self, "sharded_after_fit", False):  # teardown gave the values back
             return module.state_dict()
         return state_dict_with(module, self._master_values())
 
@@ -160,6 +182,10 @@ class Engine:
         """The flat spaces whose ``shard`` holds the optimizer's values of their parameters."""
         return []
 
+    def param_spaces(self) -> list[FlatParameter]:
+        """The flat spaces holding parameter values: the optimizer's, plus stage 3's frozen ones."""
+        return self.flat_spaces()
+
     def whole_values(self) -> dict[int, Tensor]:
         """id(param) -> the whole tensor the optimizer steps for it, where that is not the parameter
         itself (stage 0 under a policy: its fp32 master)."""
@@ -180,6 +206,16 @@ class Engine:
                 p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
 
 
+def _refuse_meta(module: nn.Module, stage: int) -> None:
+    if is_deferred(module):
+        meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta][:5]
+        raise ValueError(
+            f"{type(module).__name__} holds tensors on the meta device ({', '.join(meta)}, ...): stage {stage} "
+            "keeps whole parameters on every rank and cannot initialise them. Build the model normally, or use "
+            "stage 3, which gives a meta-device model its values unit by unit (param_init_fn)."
+        )
+
+
 def _check_optimizers(config: ZeroConfig, optimizers: Sequence[Optimizer]) -> None:
     """The sharded stages take only elementwise optimizers (see [Note: elementwise optimizers])."""
     declared = resolve_optimizer_classes(config.elementwise_optimizers)
@@ -192,8 +228,14 @@ class ShardedOptimizerEngine(Engine):
 
     sharded = True
 
-    def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
+    @property
+    def streams_values(self) -> bool:
+        return self.sharded_params.masters
+
+    def setup(self, module: nn.Module, optimizers: Sequence[Optimizer], **placement: Any) -> ZeroModule:
+        _refuse_meta(module, self.config.stage)
         _check_optimizers(self.config, optimizers)
+        self.optimizers = list(optimizers)
         self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
         self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
@@ -246,12 +288,24 @@ class FullyShardedEngine(Engine):
     """Stage 3: parameters, gradients and optimizer state sharded per wrap unit."""
 
     sharded = True
+    streams_values = True
 
-    def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        device: torch.device | None = None,
+        rng_state: Tensor | None = None,
+    ) -> ZeroModule:
+        """Shard ``module`` unit by unit onto ``device`` (see [Note: deferred initialisation] for a
+        model built on the meta device; ``rng_state``: the random state it was built under)."""
         cfg = self.config
         _check_optimizers(cfg, optimizers)
+        self.optimizers = list(optimizers)
         self.params = [p for _, p in trainable_parameters(module)]
-        initial = cast_parameters(module, self.policy)
+        self.deferred = is_deferred(module)  # built on the meta device: values come at setup
+        device = device if device is not None else _device_of(module)
         self.zero3 = ZeroThree(  # units, hooks and schedule
             module,
             self.comm,
@@ -263,9 +317,13 @@ class FullyShardedEngine(Engine):
             find_unused_parameters=cfg.find_unused_parameters,
             max_reduce_buffers=cfg.max_reduce_buffers,
             label=self.label,
-            masters=initial,
+            precision=self.policy,
             reduce_dtype=self._reduce_dtype,
+            device=device,
+            broadcast=not self.deferred,
+            initializer=self._initializer(rng_state, device) if self.deferred else None,
         )
+        _place_buffers(module, device, self.comm, broadcast=not self.deferred, label=self.label)
         spaces = self.flat_spaces()
         self.original_groups = {  # optimizer index -> its groups' original parameters
             i: shard_optimizer_in_place(opt, i, spaces) for i, opt in enumerate(optimizers)
@@ -273,6 +331,13 @@ class FullyShardedEngine(Engine):
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
         self.wrapped = ZeroModule(module, self.zero3, self.comm, broadcast_buffers=cfg.broadcast_buffers)
         return self.wrapped
+
+    def _initializer(self, rng_state: Tensor | None, device: torch.device) -> Initializer:
+        """Rank 0's random state for every rank: all compute the same values (see [Note: deferred
+        initialisation])."""
+        state = rng_state if rng_state is not None else torch.get_rng_state()
+        state = self.comm.broadcast_object(state, name=f"{self.label}/broadcast/init_rng", device=device)
+        return Initializer(resolve_init_fn(self.config.param_init_fn), state)
 
     def gathered(self) -> Any:
         return self.zero3.gathered()
@@ -294,29 +359,57 @@ class FullyShardedEngine(Engine):
         load_full_optimizer_state(optimizer, index, self.flat_spaces(), self.original_groups[index], state)
 
     def _master_values(self) -> dict[int, Tensor]:
-        return full_parameters(self.flat_spaces(), self.comm, self.label)
+        return full_parameters(self.param_spaces(), self.comm, self.label)
 
     def param_tensors(self) -> list[Tensor]:
         if self.finished:
             return []
-        return self.zero3.shard_tensors() + [u.full for u in self.zero3.units if u.gathered]
+        gathered = [t for u in self.zero3.units if u.gathered for t in u.full_tensors()]
+        return self.zero3.shard_tensors() + gathered
 
     def teardown(self, *, failed: bool = False) -> None:
-        """Leave a whole module: every parameter gets its full value in storage of its own (gathered
-        unit by unit). After a failure nothing is gathered and the module keeps its placeholders."""
+        """End of fit (see ``gather_at_teardown``): gather the full weights into the module unit by
+        unit, or leave it sharded with its forward hooks, so that calling it still gathers each unit.
+        After a failure nothing is gathered or waited: the module keeps its placeholders."""
         if not hasattr(self, "zero3"):  # setup stopped before the units existed
             self.finished = True
             return
-        self.zero3.remove_hooks()
-        if not failed:
-            values = self._master_values()
-            for p in self.params:
-                p.data = values[id(p)]
-        self.zero3.release(wait=not failed)
+        gather = self.config.gather_at_teardown
+        gather = (not self.deferred) if gather is None else gather
+        self.zero3.remove_hooks(keep_forward=not (failed or gather))
+        if not failed and gather:
+            self._load_full_weights()
+        if failed or gather:
+            self.zero3.release(wait=not failed)
+        self.sharded_after_fit = not (failed or gather)  # the module still holds placeholders
         self.finished = True
 
+    def _load_full_weights(self) -> None:
+        """Every parameter gets its full value in storage of its own, one flat space at a time."""
+        for space in self.param_spaces():
+            values = full_parameters([space], self.comm, self.label)
+            for p in space.params:
+                p.data = values[id(p)]
+
+    def full_state_dict(self, module: nn.Module, *, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The module's state dict with full parameter values (the optimizer's: fp32 masters under a
+        policy) in CPU memory, gathered one flat space at a time; ``rank0_only``: only rank 0 gets
+        it (the others ``{}``), never more than one space gathered beyond its shards."""
+        values: dict[int, Tensor] = {}
+        dst = 0 if rank0_only else None
+        for space in self.param_spaces():
+            for pid, value in gather_values(space, self.comm, self.label, dst=dst).items():
+                values[id(space.params[pid])] = value
+        if rank0_only and self.comm.rank != 0:
+            return {}
+        state = state_dict_with(module, values)
+        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
+
     def flat_spaces(self) -> list[FlatParameter]:
-        return [u.flat for u in self.zero3.units]
+        return [u.flat for u in self.zero3.units if u.flat is not None]
+
+    def param_spaces(self) -> list[FlatParameter]:
+        return self.zero3.param_spaces()
 
     def whole_values(self) -> dict[int, Tensor]:
         return {}
@@ -328,6 +421,25 @@ class FullyShardedEngine(Engine):
         """The shards the next gathers read follow the loaded (master) shards."""
         if not self.finished:
             self.zero3.after_step()
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    return real[0].device if real else torch.device("cpu")
+
+
+def _place_buffers(
+    module: nn.Module, device: torch.device, comm: Communicator, *, broadcast: bool, label: str
+) -> None:
+    """Stage 3: buffers are kept whole, on ``device``, rank 0's values everywhere (a built model)."""
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is not None and buf.device != device:
+                owner._buffers[name] = buf.to(device)
+    buffers = [b for b in module.buffers() if b.numel() > 0]
+    if broadcast and buffers:
+        with torch.no_grad():
+            comm.broadcast_tensors(buffers, src=0, name=f"{label}/broadcast/buffers")
 
 
 def make_engine(config: ZeroConfig, comm: Communicator, policy: PrecisionPolicy | None = None) -> Engine:

@@ -13,6 +13,22 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 
+class GatherMeter:
+    """Bytes of some kind of buffer held right now, and the most held at once since a reset (stage 3's
+    gathered parameters; stages 2-3's full-size gradient buffers in backward)."""
+
+    def __init__(self) -> None:
+        self.now = 0  # bytes held at this moment
+        self.peak = 0  # the most at once since reset()
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def reset(self) -> None:
+        self.peak = self.now
+
+
 class MemoryReport(NamedTuple):
     parameters: int  # bytes of parameter storage (flat buckets in stages 1-2)
     gradients: int  # bytes of gradient storage (buckets, shard gradients)

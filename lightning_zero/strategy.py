@@ -38,8 +38,24 @@ from lightning_zero.precision import (
     resolve_policy,
     training_precision,
 )
+from lightning_zero.zero.deferred import is_deferred
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _kept_on_meta(module: nn.Module | None) -> Generator[None, None, None]:
+    """Lightning's teardown moves the module to the CPU; a setup that failed while giving a
+    meta-device model its values leaves tensors there that cannot move, and the move would hide
+    the real error: skip it then."""
+    if module is None or not is_deferred(module):
+        yield
+        return
+    module.cpu = lambda *args, **kwargs: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu
 
 
 class ZeroStrategy(DDPStrategy):
@@ -94,6 +110,7 @@ class ZeroStrategy(DDPStrategy):
         self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
         self._fitted: Engine | None = None  # the last fit's engine after teardown: its shards' state
         self._failed = False  # an exception ends this run: teardown runs no collective
+        self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
 
     @property
@@ -117,6 +134,52 @@ class ZeroStrategy(DDPStrategy):
         freed on leaving. The other stages hold whole parameters: it changes nothing there."""
         return self._engine.gathered() if self._engine is not None else nullcontext()
 
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Any]:
+        """The LightningModule's state dict with full parameter values, in CPU memory (all ranks call
+        it). Stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others
+        ``{}``), so no rank ever holds the whole model beyond it. Works during and after ``fit``."""
+        engine, module = self._state_engine, self.lightning_module
+        if engine is not None and hasattr(engine, "full_state_dict"):
+            return engine.full_state_dict(module, rank0_only=rank0_only)
+        state = engine.module_state_dict(module) if engine is not None else module.state_dict()
+        if rank0_only and self.global_rank != 0:
+            return {}
+        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
+
+    @property
+    def _sharded_after_fit(self) -> bool:
+        """The last fit left the module sharded (``gather_at_teardown``): its units gather on use."""
+        return getattr(self._fitted, "sharded_after_fit", False)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` at stage 3: modules on the meta device, given values
+        at setup one unit at a time (see [Note: deferred initialisation]); otherwise as for DDP."""
+        if self._config.stage == 3 and empty_init:
+            with self._deferred_init(), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init=empty_init):
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: at stage 3 modules are built on the meta device (see
+        ``tensor_init_context``); the other stages build them as DDP does."""
+        if self._config.stage != 3:
+            yield
+            return
+        with self._deferred_init():
+            yield
+
+    @contextmanager
+    def _deferred_init(self) -> Generator[None, None, None]:
+        self._init_rng = torch.get_rng_state()
+        with torch.device("meta"):
+            yield
+
     @property
     def _state_engine(self) -> Engine | None:
         """The engine whose shards hold the optimizer state: the running one, or the last fit's."""
@@ -136,8 +199,10 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
+        if not (fitting and self._config.stage == 3):  # stage 3 shards on the host, unit by unit
+            self.model_to_device()
+            if not self._sharded_after_fit:
+                broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
         if fitting:
             cfg = self._config
             policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
@@ -170,7 +235,8 @@ class ZeroStrategy(DDPStrategy):
             rank_zero_warn(
                 f"stage {self._config.stage} on one process shards nothing: it trains as plain training"
             )
-        return self._engine.setup(model, self.optimizers if self._engine.needs_optimizers_first else [])
+        optimizers = self.optimizers if self._engine.needs_optimizers_first else []
+        return self._engine.setup(model, optimizers, device=self.root_device, rng_state=self._init_rng)
 
     @contextmanager
     @override
@@ -208,9 +274,10 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The checkpoint form of an optimizer's state (a collective in stages 1-3: all ranks call it).
 
-        ``state_dict_type="full"``: the original parameters' state, consolidated on rank 0 only
-        (the other ranks get ``{}``); ``"sharded"``: this rank's slices, by parameter name. Also
-        after ``fit`` returned (see [Note: after fitting] in engines.py).
+        ``state_dict_type="full"``: the original parameters' state as one process has it, its
+        per-element tensors as stand-ins written while they are gathered (see [Note: streamed full
+        checkpoints]); ``"sharded"``: this rank's slices, by parameter name. Also after ``fit``
+        returned (see [Note: after fitting] in engines.py).
         """
         engine = self._state_engine
         if engine is None and self._config.state_dict_type == "full":
@@ -220,7 +287,7 @@ class ZeroStrategy(DDPStrategy):
         if self._config.state_dict_type == "sharded":
             return checkpoints.sharded_optimizer_state(self.lightning_module, engine, inner, index)
         if engine.sharded:
-            return checkpoints.gather_optimizer_state(engine, inner, index, self.comm)
+            return checkpoints.streamed_optimizer_state(engine, inner, index)
         return engine.optimizer_state(inner, index)
 
     @override
@@ -244,11 +311,16 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model under its original names (stage 3 gathers it unit by unit: all ranks call it);
-        with ``state_dict_type="sharded"`` this rank's slices instead (see ``checkpoint.py``)."""
+        """The checkpoint's model state under the original names. Full form: parameters that live in
+        shards (stage 3; the fp32 masters of stages 1-2) as stand-ins that ``save_checkpoint`` writes
+        while it gathers them (see [Note: streamed full checkpoints]; for values use
+        :meth:`full_state_dict`). Sharded form: this rank's slices (see ``checkpoint.py``)."""
         assert self.lightning_module is not None
+        engine = self._state_engine
         if self._config.state_dict_type == "sharded":
-            return checkpoints.sharded_model_state(self.lightning_module, self._state_engine)
+            return checkpoints.sharded_model_state(self.lightning_module, engine)
+        if engine is not None and engine.streams_values:
+            return checkpoints.streamed_model_state(self.lightning_module, engine)
         if self._engine is None:
             return super().lightning_module_state_dict()
         return self._engine.module_state_dict(self.lightning_module)
@@ -267,7 +339,8 @@ class ZeroStrategy(DDPStrategy):
         under the final name only once complete. All ranks call it."""
         path = self._shared_path(filepath)
         if self._config.state_dict_type == "full":
-            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options)
+            engine = self._state_engine
+            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options, engine)
             return
         if storage_options is not None:
             raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
@@ -327,7 +400,8 @@ class ZeroStrategy(DDPStrategy):
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
         self._failed = False
-        super().teardown()
+        with _kept_on_meta(self.lightning_module):
+            super().teardown()
 
     @classmethod
     @override

@@ -100,6 +100,7 @@ def wrap_module(
         keys=keys,
         accumulate_unsharded=config.accumulate_unsharded,
         reduce_dtype=reduce_dtype,
+        max_reduce_buffers=config.max_reduce_buffers,
     )
     return ZeroModule(module, reducer, comm, broadcast_buffers=config.broadcast_buffers)
 

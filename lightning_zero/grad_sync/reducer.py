@@ -48,6 +48,7 @@ accumulated sum, because the slots were never cleared in between.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Generator, Hashable, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,8 @@ from torch.nn import Parameter
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.grad_sync.backward import EndOfBackward
-from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, plan_buckets
+from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, _itemsize, plan_buckets
+from lightning_zero.memory import GatherMeter
 
 
 @contextmanager
@@ -104,6 +106,7 @@ class Bucket:
         self.shard_out: Tensor | None = None  # 1D, padded_numel / N: reduce-scatter output
         self.persistent = persistent  # storage kept between steps (stages 0-1)
         self.stale = False  # stage 1: holds a reduce-scatter's leftovers; zero before the next addition
+        self.handed_on = False  # its reduced shard went into the shard gradient in this backward
         if persistent:
             self.allocate()
 
@@ -130,6 +133,7 @@ class Bucket:
         self.pending = len(self.params)
         self.handle = None
         self.shard_out = None
+        self.handed_on = False
 
 
 class GradReducer:
@@ -149,6 +153,8 @@ class GradReducer:
             reduce-scatter once per window (less traffic, more memory) instead of every micro-batch.
         reduce_dtype: dtype of the buckets (on the wire); None: the parameters' dtype (see
             [Note: reduce dtype]).
+        max_reduce_buffers: stage 2: reduce-scatters (each with its full-size bucket) in flight at
+            once; a new one first finishes the oldest and frees its bucket.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class GradReducer:
         keys: Sequence[Hashable] | None = None,
         accumulate_unsharded: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        max_reduce_buffers: int = 2,
     ) -> None:
         self.names = [name for name, _ in named_params]  # registration index -> name
         self.params = [p for _, p in named_params]  # registration index -> parameter
@@ -194,6 +201,9 @@ class GradReducer:
         self._ready_order: list[int] = []  # indices in ready order, recorded until the rebuild
         self._rebuilt = False  # whether the plan was rebuilt from the observed order
         self._next_launch = 0  # index of the next bucket to launch
+        self.max_reduce_buffers = max_reduce_buffers
+        self._in_flight: deque[Bucket] = deque()  # stage 2: launched buckets not yet handed on, oldest first
+        self.buffer_meter = GatherMeter()  # stage 2: bytes of bucket storage allocated, now and at most
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._build(self._plan())
@@ -238,6 +248,8 @@ class GradReducer:
         first (see [Note: sharded gradients])."""
         if self.spaces is not None and bucket.persistent:
             self.spaces[bucket.index].keep_grad()
+        if bucket.flat is None:
+            self.buffer_meter.add(bucket.spec.padded_numel * _itemsize(bucket.spec.dtype))
         return bucket.allocate()
 
     def grad_tensors(self) -> list[Tensor]:
@@ -351,6 +363,10 @@ class GradReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if not bucket.persistent:  # bounded: finish the oldest before another full bucket goes out
+            while len(self._in_flight) >= self.max_reduce_buffers:
+                self._hand_on(self._in_flight.popleft())
+            self._in_flight.append(bucket)
         flat = self._writable(bucket)
         flat.div_(self.comm.world_size)
         if self.stage == 0:
@@ -363,14 +379,24 @@ class GradReducer:
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name)
 
-    def _deliver_shards(self, used: list[bool] | None) -> None:
-        """Add each bucket's reduced shard into its flat space's shard gradient; drop the full ones."""
+    def _hand_on(self, bucket: Bucket) -> None:
+        """Wait for a bucket's reduce-scatter, add its shard into the shard gradient, free it."""
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
-        for bucket, space in zip(self.buckets, self.spaces):
-            space.accumulate_grad(bucket.shard_out, lend=bucket.persistent)
+        bucket.handle.wait()
+        self.spaces[bucket.index].accumulate_grad(bucket.shard_out, lend=bucket.persistent)
+        if not bucket.persistent:
+            self.buffer_meter.add(-bucket.flat.numel() * bucket.flat.element_size())
+        bucket.release()
+        bucket.handed_on = True
+
+    def _deliver_shards(self, used: list[bool] | None) -> None:
+        """Hand on every bucket's reduced shard; parameters no rank used keep no gradient."""
+        for bucket in self.buckets:
+            if not bucket.handed_on:
+                self._hand_on(bucket)
             if used is not None:
-                space.drop_unused([used[j] for j in bucket.spec.params])
-            bucket.release()
+                self.spaces[bucket.index].drop_unused([used[j] for j in bucket.spec.params])
+        self._in_flight.clear()
         for p in self.params:
             p.grad = None
 
@@ -413,6 +439,7 @@ class GradReducer:
                 self._start_window(i)
 
     def _reset_backward_state(self) -> None:
+        self._in_flight.clear()
         for bucket in self.buckets:
             bucket.reset()
         self._ready = [False] * len(self.params)

@@ -195,6 +195,29 @@ def full_parameters(spaces: Sequence[FlatParameter], comm: Communicator, label: 
     return values
 
 
+def gather_values(
+    space: FlatParameter, comm: Communicator, label: str, *, dst: int | None
+) -> dict[int, Tensor]:
+    """position -> the full value of each parameter of ``space`` (the shard's dtype), in CPU memory;
+    ``dst`` a rank: only that rank gets them (a Gather; the others ``{}``), None: every rank."""
+    shard = space.shard.detach()
+    full = (
+        torch.empty(space.padded_numel, dtype=shard.dtype, device=shard.device)
+        if dst in (None, comm.rank)
+        else None
+    )
+    if dst is None:
+        comm.all_gather(full, shard, name=f"{label}/all_gather/state_dict", async_op=False)
+    else:
+        comm.gather(full, shard, dst=dst, name=f"{label}/gather/state_dict")
+    if full is None:
+        return {}
+    return {
+        i: full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
+        for i, (shape, offset) in enumerate(zip(space.shapes, space.offsets))
+    }
+
+
 def state_dict_with(module: torch.nn.Module, values: dict[int, Tensor]) -> dict[str, Tensor]:
     """``module.state_dict()`` with the given parameter values, under every name a parameter has
     (sharded parameters are never read: see [Note: sharded parameters] in unit.py)."""

@@ -50,8 +50,10 @@ from torch.utils._pytree import tree_leaves
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.reducer import UnusedParametersError, sync_suspended
-from lightning_zero.zero.flat_param import full_parameters, state_dict_with
-from lightning_zero.zero.unit import GatherMeter, ShardedUnit, TrainingState
+from lightning_zero.memory import GatherMeter
+from lightning_zero.precision import PrecisionPolicy
+from lightning_zero.zero.deferred import Initializer, post_order
+from lightning_zero.zero.unit import ShardedUnit, TrainingState
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = (
@@ -83,8 +85,12 @@ class ZeroThree:
         max_reduce_buffers: ReduceScatters (each with its unit's full-size gradient buffer) in
             flight at once.
         label: prefix of the collectives' names.
-        masters: id(parameter) -> its fp32 master value (mixed precision), or None.
+        precision: mixed precision of the trainable parameters (compute dtype, fp32 master shards).
         reduce_dtype: dtype of the gradients on the wire; None: the parameters' own.
+        device: where shards and gathered parameters live (None: the parameters' device).
+        broadcast: units take rank 0's values as they are sharded (a model built on every rank).
+        initializer: the model was built on the meta device: gives each module its values as the
+            units are built (see [Note: deferred initialisation]).
     """
 
     def __init__(
@@ -100,8 +106,11 @@ class ZeroThree:
         find_unused_parameters: bool = False,
         max_reduce_buffers: int = 2,
         label: str = "zero3",
-        masters: dict[int, Tensor] | None = None,
+        precision: PrecisionPolicy | None = None,
         reduce_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        broadcast: bool = False,
+        initializer: Initializer | None = None,
     ) -> None:
         self.comm = comm
         self.label = label
@@ -113,7 +122,14 @@ class ZeroThree:
         self.max_reduce_buffers = max_reduce_buffers
         self.sync_enabled = True  # False inside no_sync() when accumulate_unsharded
         self.meter = GatherMeter()  # full parameters held gathered, now and at most
-        self.units = self._build_units(root, select_units(root, policy), masters, reduce_dtype)
+        self.buffer_meter = GatherMeter()  # full-size gradient buffers alive in backward, now and at most
+        options = {
+            "policy": precision,
+            "reduce_dtype": reduce_dtype,
+            "device": device,
+            "broadcast": broadcast,
+        }
+        self.units = self._build_units(root, select_units(root, policy), options, initializer)
         self.root_unit = self.units[0] if self.units and self.units[0].module is root else None
         self.forward_order: list[ShardedUnit] = []  # as observed in the first training forward
         self.reduce_order: list[ShardedUnit] | None = None  # fixed at the first backward
@@ -123,27 +139,35 @@ class ZeroThree:
         self._reducing: deque[ShardedUnit] = deque()  # ReduceScatters in flight, oldest first
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._unit_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
-        self._handles = self._register_hooks(root)
+        self._handles = self._register_hooks(root)  # forward hooks on modules: gather on use
+        self._grad_handles = [  # on the parameters: the backward schedule
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for u in self.units for p in u.params
+        ]
 
-    def _build_units(self, root: nn.Module, unit_modules: list, masters, reduce_dtype) -> list[ShardedUnit]:
+    def _build_units(
+        self, root: nn.Module, unit_modules: list, options: dict, initializer: Initializer | None
+    ) -> list[ShardedUnit]:
+        """One unit per wrap module that owns parameters; a deferred model gets its values module by
+        module, each unit sharded as soon as its modules have them."""
         owner = _owning_units(root, unit_modules)
-        units = []
-        for name, module in unit_modules:
+
+        def build(name: str, module: nn.Module) -> ShardedUnit | None:
             params = owner.get(name, [])
-            if params:
-                units.append(
-                    ShardedUnit(
-                        name,
-                        module,
-                        params,
-                        self.comm,
-                        self.label,
-                        masters=masters,
-                        reduce_dtype=reduce_dtype,
-                        meter=self.meter,
-                    )
-                )
-        return units
+            if not params:
+                return None
+            meters = {"meter": self.meter, "buffer_meter": self.buffer_meter}
+            return ShardedUnit(name, module, params, self.comm, self.label, **meters, **options)
+
+        if initializer is None:
+            built = {name: build(name, module) for name, module in unit_modules}
+        else:
+            wanted, built = dict(unit_modules), {}
+            with initializer:
+                for name, module in post_order(root):  # children first: a unit after all its modules
+                    initializer.materialize(name, module)
+                    if name in wanted:
+                        built[name] = build(name, module)
+        return [built[name] for name, _ in unit_modules if built[name] is not None]
 
     def _register_hooks(self, root: nn.Module) -> list:
         handles = []
@@ -151,8 +175,6 @@ class ZeroThree:
             if unit is not self.root_unit:
                 handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
                 handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
-            for p in unit.params:
-                handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
                 handles.append(
@@ -160,7 +182,15 @@ class ZeroThree:
                 )
         return handles
 
-    def remove_hooks(self) -> None:
+    def remove_hooks(self, *, keep_forward: bool = False) -> None:
+        """Remove the hooks; ``keep_forward``: only the gradient hooks, so that calling the module
+        still gathers each unit. (A hook on a parameter that refers back to the units makes a cycle
+        through autograd that Python's collector cannot see: those go in any case.)"""
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles = []
+        if keep_forward:
+            return
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -205,6 +235,11 @@ class ZeroThree:
             if self._recording and torch.is_grad_enabled() and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._prefetch(unit, self.forward_order)
+            if unit.has_frozen and torch.is_grad_enabled():  # its gradient hooks cannot tell its end
+                wrapped = _PostBackward.wrap(args, lambda: self._inputs_done(unit))
+                unit.inputs_pending += wrapped is not None
+                return wrapped
+            return None
 
         return hook
 
@@ -262,7 +297,15 @@ class ZeroThree:
     def _on_grad_ready(self, param: Tensor) -> None:
         unit, position = self._unit_of[id(param)]
         self._end.note()
-        if unit.note_grad(position):
+        unit.note_grad(position)
+        if unit.done:
+            self._unit_backward_done(unit)
+
+    def _inputs_done(self, unit: ShardedUnit) -> None:
+        """A unit holding frozen parameters: backward went through it to its inputs (the frozen
+        weights are needed until then, also after every trainable gradient arrived)."""
+        unit.inputs_pending -= 1
+        if unit.done:
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: ShardedUnit) -> None:
@@ -277,7 +320,8 @@ class ZeroThree:
             others = [u for u in self.units if u is not self.root_unit]
             seen = [u for u in reversed(self.forward_order) if u is not self.root_unit]
             rest = [u for u in reversed(others) if u not in seen]
-            self.reduce_order = seen + rest + ([self.root_unit] if self.root_unit is not None else [])
+            order = seen + rest + ([self.root_unit] if self.root_unit is not None else [])
+            self.reduce_order = [u for u in order if u.trainable is not None]
         return self.reduce_order
 
     def _reduce_ready_units(self) -> None:
@@ -315,7 +359,7 @@ class ZeroThree:
     def _globally_used(self) -> list[list[bool]]:
         """Per unit and parameter: some rank used it in this backward (one small AllReduce)."""
         flags = [f for u in self.units for f in u.used]
-        device = self.units[0].full.device
+        device = self.units[0].flats[0].full.device
         used = torch.tensor(flags, dtype=torch.int32, device=device)
         self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map", async_op=False)
         counts, out = used.tolist(), []
@@ -327,7 +371,8 @@ class ZeroThree:
     def _check_unused(self, missing: list, used: list[list[bool]] | None) -> None:
         if used is not None:
             for unit, mask in zip(self.units, used):
-                unit.flat.drop_unused(mask)
+                if unit.flat is not None:
+                    unit.flat.drop_unused(mask)
             return
         if missing:
             names = [u.names[i] for u, i in missing]
@@ -365,9 +410,9 @@ class ZeroThree:
                 else:
                     self._release(unit)
 
-    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        """The module's state dict with full parameters (the optimizer's values), one unit at a time."""
-        return state_dict_with(module, full_parameters([u.flat for u in self.units], self.comm, self.label))
+    def param_spaces(self) -> list:
+        """Every flat space holding parameter values: trainable and frozen."""
+        return [f.flat for u in self.units for f in u.flats]
 
     def after_step(self) -> None:
         for unit in self.units:
@@ -378,15 +423,41 @@ class ZeroThree:
             unit.release(wait=wait)
 
     def grad_tensors(self) -> list[Tensor]:
-        return [u.flat.grad for u in self.units if u.flat.grad is not None]
+        return [u.flat.grad for u in self.units if u.flat is not None and u.flat.grad is not None]
 
     def shard_tensors(self) -> list[Tensor]:
         """The persistent parameter shards (what gathers read; fp32 masters are optimizer state)."""
-        return [u.param_shard for u in self.units]
+        return [t for u in self.units for t in u.shard_tensors()]
 
     def in_flight(self) -> list[Handle]:
         """Collectives still in flight (none between steps)."""
         return [h for u in self.units for h in (u.gather_handle, u.reduce_handle) if h is not None]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the gradients of those inputs are
+    computed, i.e. once backward went through the unit: the end of a frozen unit's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple:
+        ctx.done()
+        return (None, *grads)
+
+    @classmethod
+    def wrap(cls, args: tuple, done: Any) -> tuple | None:
+        """``args`` with every tensor that requires grad passed through; None if there is none."""
+        positions = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+        if not positions:
+            return None
+        out = list(args)
+        for i, t in zip(positions, cls.apply(done, *(args[i] for i in positions))):
+            out[i] = t
+        return tuple(out)
 
 
 def _grad_tensors(output: Any) -> list[Tensor]:
@@ -396,15 +467,13 @@ def _grad_tensors(output: Any) -> list[Tensor]:
 
 
 def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> dict[str, list]:
-    """unit name -> (name, parameter) of the trainable parameters it owns: the innermost unit whose
-    subtree holds the parameter; a tied parameter must lie in one unit."""
+    """unit name -> (name, parameter) of the parameters it owns, trainable and frozen: the innermost
+    unit whose subtree holds the parameter; a tied parameter must lie in one unit."""
     unit_names = [n for n, _ in unit_modules]
     owner_of_param: dict[int, str] = {}
     first_name: dict[int, str] = {}
     ownership: dict[str, list] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
-        if not p.requires_grad:
-            continue
         unit = max((u for u in unit_names if u == "" or name.startswith(u + ".")), key=len)
         if id(p) in owner_of_param and owner_of_param[id(p)] != unit:
             raise ValueError(
@@ -422,7 +491,7 @@ def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) ->
 
 def _root_param_owners(root: nn.Module, units: list[ShardedUnit]) -> list[nn.Module]:
     """Modules outside every non-root unit that hold root parameters directly."""
-    root_params = {id(p) for p in units[0].params}
+    root_params = {id(p) for f in units[0].flats for p in f.flat.params}
     nested = {id(u.module) for u in units[1:]}
     owners = []
     stack = [root]

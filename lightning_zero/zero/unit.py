@@ -35,53 +35,36 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.memory import GatherMeter
+from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.flat_param import FlatParameter
 
 # [Note: sharded parameters]
 # While its unit is sharded a parameter's class is a subclass of its own whose __torch_function__
 # lets through only what describes the tensor (shape, dtype, device, requires_grad, .grad, .data,
-# numel, storage) and raises, naming the parameter, for anything that would compute with it: a
+# numel, storage; moving it to a device gives another placeholder) and raises, naming the
+# parameter, for anything that would compute with it: a
 # penalty over self.parameters() or a weight norm outside the unit's forward fails at once instead of
 # summing empty placeholders. Gathering gives the parameter its own class back, so forward and
 # backward run on plain parameters at no cost.
+_PROPERTIES = (  # what a tensor is, not what it holds
+    "shape", "dtype", "device", "requires_grad", "grad", "data", "is_leaf", "layout", "ndim", "grad_fn",
+    "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes", "_version",
+)  # fmt: skip
+_METHODS = (
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "untyped_storage",
+    "data_ptr", "is_contiguous", "requires_grad_", "__repr__", "__hash__", "__format__",
+    "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__",
+)  # fmt: skip
 _DESCRIBE = {
     getattr(getattr(torch.Tensor, name), accessor)
-    for name in (
-        "shape",
-        "dtype",
-        "device",
-        "requires_grad",
-        "grad",
-        "data",
-        "is_leaf",
-        "layout",
-        "ndim",
-        "grad_fn",
-    )
+    for name in _PROPERTIES
+    if hasattr(torch.Tensor, name)
     for accessor in ("__get__", "__set__")
     if hasattr(getattr(torch.Tensor, name), accessor)
-} | {
-    getattr(torch.Tensor, name)
-    for name in (
-        "size",
-        "dim",
-        "numel",
-        "nelement",
-        "element_size",
-        "is_floating_point",
-        "is_complex",
-        "untyped_storage",
-        "data_ptr",
-        "is_contiguous",
-        "requires_grad_",
-        "__repr__",
-        "__hash__",
-        "__format__",
-        "register_hook",
-        "register_post_accumulate_grad_hook",
-        "__reduce_ex__",
-    )
-}
+} | {getattr(torch.Tensor, name) for name in _METHODS}
+_DESCRIBE.add(torch._has_compatible_shallow_copy_type)  # asked by Module._apply before it sets .data
+_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}  # Module.to / .cpu() on a sharded module
 
 
 class _Sharded:
@@ -92,6 +75,12 @@ class _Sharded:
         if func in _DESCRIBE or torch.compiler.is_compiling():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if func in _MOVES:  # the moved placeholder is still one: computing with it still fails
+            with torch._C.DisableTorchFunctionSubclass():
+                moved = func(*args, **(kwargs or {}))
+            out = moved.as_subclass(_sharded_class(torch.Tensor))
+            out._zero_name = getattr(args[0], "_zero_name", "?")
+            return out
         used = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, _Sharded))
         raise RuntimeError(
             f"stage 3: parameter {getattr(used, '_zero_name', '?')!r} is sharded here (this rank holds a 1/N "
@@ -125,33 +114,127 @@ class TrainingState(Enum):
     POST_BACKWARD = "post_backward"  # its gradients went out; done for this backward
 
 
-class GatherMeter:
-    """Bytes of full parameters held gathered right now, and the most held at once since a reset."""
+class UnitFlat:
+    """One flat space of a unit: its parameters of one dtype, trainable or frozen, gathered and
+    freed together with the unit's other spaces (see [Note: gathered and sharded]).
 
-    def __init__(self) -> None:
-        self.now = 0  # bytes gathered (storage resized up) at this moment
-        self.peak = 0  # the most at once since reset()
+    Args:
+        name: the unit's name, with a suffix for a frozen space.
+        params: (name, parameter), layout order; their current values are sharded.
+        comm, label: collectives and their name prefix.
+        trainable: the parameters get gradients (reduce-scattered) and optimizer state.
+        policy: mixed precision: a trainable space computes in ``param_dtype`` and the optimizer
+            steps an fp32 master shard; None (or a frozen space): the parameters' own dtype.
+        device: where the shard and the gathered parameters live; the values may sit elsewhere
+            (the host: only this rank's shard is moved).
+        broadcast: take rank 0's values (a model built on every rank); False when every rank
+            computed the same values (deferred initialisation).
+    """
 
-    def add(self, nbytes: int) -> None:
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        comm: Communicator,
+        label: str,
+        *,
+        trainable: bool,
+        policy: PrecisionPolicy | None,
+        device: torch.device,
+        broadcast: bool,
+    ) -> None:
+        self.name = name
+        self.trainable = trainable
+        self.flat = FlatParameter(
+            name, [p for _, p in params], torch.empty(0), world_size=comm.world_size, rank=comm.rank
+        )
+        values = self.flat.full_from_params()  # 1D, padded_numel, where the parameters are
+        if broadcast:  # on the device: a collective backend (NCCL) may take no host tensors
+            values = values.to(device)
+            comm.broadcast(values, src=0, name=f"{label}/broadcast/unit={name}")
+        own = self.flat.own_chunk(values)
+        cast = policy if trainable else None
+        dtype = cast.param_dtype if cast is not None else own.dtype
+        self.param_shard = own.to(device=device, dtype=dtype, copy=True)  # 1D, S: what gathers read
+        # the optimizer's values: the same tensor, or an fp32 master (see [Note: mixed precision])
+        masters = own.to(device=device, dtype=cast.master_dtype, copy=True) if cast is not None else None
+        self.flat.shard = masters if masters is not None else self.param_shard
+        del values, own
+        self.full = torch.empty(self.flat.padded_numel, dtype=self.param_shard.dtype, device=device)
+        self.views = [
+            self.full[o : o + s.numel()].view(s) for o, s in zip(self.flat.offsets, self.flat.shapes)
+        ]
+        self.full.untyped_storage().resize_(0)  # 1D, padded_numel: storage allocated only while gathered
+        self.placeholder = torch.empty(0, dtype=self.full.dtype, device=device)  # .data while sharded
+        self.gather_handle: Handle | None = None  # in-flight AllGather
+        self.gathered = False  # params point into a complete `full`
 
-    def reset(self) -> None:
-        self.peak = self.now
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered parameters."""
+        return self.full.numel() * self.full.element_size()
+
+    def start_gather(self, label: str, comm: Communicator) -> int:
+        """Allocate ``full`` and start the AllGather; the bytes allocated (0 if under way already)."""
+        if self.gathered or self.gather_handle is not None:
+            return 0
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.gather_handle = comm.all_gather(
+            self.full, self.param_shard, name=f"{label}/all_gather/unit={self.name}"
+        )
+        return self.nbytes
+
+    def finish_gather(self) -> None:
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+            for p, view in zip(self.flat.params, self.views):
+                _mark_whole(p)
+                p.data = view
+            self.gathered = True
+
+    def free(self) -> int:
+        """Point the parameters at the placeholder, release ``full``; the bytes released."""
+        self.finish_gather()
+        for p in self.flat.params:
+            p.data = self.placeholder
+            _mark_sharded(p)
+        return self._release_storage()
+
+    def release(self, *, wait: bool) -> int:
+        """Teardown: the parameters hold values of their own (or keep their placeholders after a
+        failure, when nothing is waited); release ``full``."""
+        if self.gather_handle is not None and wait:
+            self.gather_handle.wait()
+        self.gather_handle = None
+        for p in self.flat.params:
+            _mark_whole(p)
+        return self._release_storage()
+
+    def _release_storage(self) -> int:
+        storage = self.full.untyped_storage()
+        released = storage.nbytes()
+        storage.resize_(0)
+        self.gathered = False
+        return released
 
 
 class ShardedUnit:
-    """One wrap unit: its flat parameter, gathered or sharded, and its backward bookkeeping.
+    """One wrap unit: its flat spaces (trainable parameters, frozen ones per dtype), gathered or
+    sharded together, and its backward bookkeeping.
 
     Args:
         name: the module path ("" for the root).
         module: the wrapped module.
-        params: (name, parameter) of the trainable parameters the unit owns, layout order.
+        params: (name, parameter) of every parameter the unit owns, trainable and frozen.
         comm: collectives.
         label: prefix of the collectives' names.
-        masters: id(parameter) -> fp32 master value under a mixed-precision policy, or None.
+        policy: mixed precision for the trainable parameters (see :class:`UnitFlat`), or None.
         reduce_dtype: gradients on the wire; None: the parameters' own dtype.
         meter: counts the bytes gathered, shared by the units of one model.
+        buffer_meter: counts the bytes of full-size gradient buffers (reduce-scatter inputs) alive.
+        device: where shards and gathered parameters live (the parameters' own device if None).
+        broadcast: take rank 0's values (False after deferred initialisation, equal everywhere).
     """
 
     def __init__(
@@ -162,108 +245,111 @@ class ShardedUnit:
         comm: Communicator,
         label: str,
         *,
-        masters: dict[int, Tensor] | None = None,
+        policy: PrecisionPolicy | None = None,
         reduce_dtype: torch.dtype | None = None,
         meter: GatherMeter | None = None,
+        buffer_meter: GatherMeter | None = None,
+        device: torch.device | None = None,
+        broadcast: bool = False,
     ) -> None:
         self.name = name or "root"  # module path; "root" for the whole model
         self.module = module  # the wrapped module
-        self.names = [n for n, _ in params]  # parameter names (relative to the root), layout order
-        for n, p in params:
-            p._zero_name = n  # named in the error for computing with it while sharded
         self.comm = comm
         self.label = label
-        _check_uniform(self.name, params)
-        self.flat = FlatParameter(
-            self.name, [p for _, p in params], torch.empty(0), world_size=comm.world_size, rank=comm.rank
-        )
-        full = self.flat.full_from_params()  # 1D, padded_numel: storage reused for every gather
-        self.param_shard = self.flat.own_chunk(full).clone()  # 1D, S, param dtype: what gathers read
-        # the optimizer's values: the same tensor, or an fp32 master (see [Note: mixed precision])
-        self.flat.shard = self.flat.master_shard(masters) if masters else self.param_shard
-        self.full = full
-        self.views = [full[o : o + s.numel()].view(s) for o, s in zip(self.flat.offsets, self.flat.shapes)]
-        self.placeholder = torch.empty(0, dtype=full.dtype, device=full.device)  # .data while sharded
-        self.reduce_dtype = reduce_dtype or full.dtype  # gradients on the wire
-        self.meter: GatherMeter | None = None  # shared gathered-bytes count (set once sharded)
+        for n, p in params:
+            p._zero_name = n  # named in the error for computing with it while sharded
+        device = device if device is not None else params[0][1].device
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        _check_uniform(self.name, trainable)
+        self.flats: list[UnitFlat] = []  # the trainable space first, then frozen ones by dtype
+        options = {"policy": policy, "device": device, "broadcast": broadcast}
+        if trainable:
+            self.flats.append(UnitFlat(self.name, trainable, comm, label, trainable=True, **options))
+        for dtype, frozen in _by_dtype([(n, p) for n, p in params if not p.requires_grad]).items():
+            frozen_name = f"{self.name}/frozen" + ("" if dtype is None else f"-{str(dtype).split('.')[-1]}")
+            self.flats.append(UnitFlat(frozen_name, frozen, comm, label, trainable=False, **options))
+        self.trainable = self.flats[0] if trainable else None  # reduce-scattered, stepped
+        self.names = [n for n, _ in trainable]  # trainable parameter names (relative to the root)
+        self.reduce_dtype = reduce_dtype or (
+            self.trainable.full.dtype if self.trainable else None
+        )  # on the wire
         self.state = TrainingState.IDLE  # see [Note: unit states]
-        self.gathered = False  # params point into a complete `full`
-        self.gather_handle: Handle | None = None  # in-flight AllGather
         self.pinned = False  # kept gathered until the end of backward (see ZeroThree.gathered)
-        self.pending = len(self.params)  # parameters whose gradient is not yet accumulated this backward
+        self.pending = len(self.params)  # trainable parameters whose gradient is not yet accumulated
         self.used = [False] * len(self.params)  # got a gradient in this backward (this rank)
+        self.inputs_pending = 0  # calls whose inputs' gradients are still to come (units with frozen weights)
         self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
         self.reduce_in: Tensor | None = None  # 1D, padded_numel: its input, kept alive until done
         self.reduce_out: Tensor | None = None  # 1D, shard_numel: its output
+        self.meter: GatherMeter | None = None
+        self.buffer_meter = buffer_meter  # gradient buffers of the model's units alive, now and at most
         self.reshard(force=True)
-        self.meter = meter
+        self.meter = meter  # shared gathered-bytes count (set once sharded)
+
+    @property
+    def flat(self) -> FlatParameter | None:
+        """The trainable flat space (the optimizer's), None for a unit of frozen parameters only."""
+        return self.trainable.flat if self.trainable is not None else None
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return self.flat.params
+        """The trainable parameters (gradient hooks, reduce-scatter)."""
+        return self.trainable.flat.params if self.trainable is not None else []
 
     @property
-    def busy(self) -> bool:
-        """A collective of this unit is in flight."""
-        return self.gather_handle is not None or self.reduce_handle is not None
+    def gathered(self) -> bool:
+        return all(f.gathered for f in self.flats)
+
+    @property
+    def gather_handle(self) -> Handle | None:
+        return next((f.gather_handle for f in self.flats if f.gather_handle is not None), None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unit's parameters when gathered."""
+        return sum(f.nbytes for f in self.flats)
+
+    def full_tensors(self) -> list[Tensor]:
+        return [f.full for f in self.flats]
+
+    def shard_tensors(self) -> list[Tensor]:
+        return [f.param_shard for f in self.flats]
 
     def after_step(self) -> None:
         """Copy the stepped master shard into the shard the next gather reads."""
         assert self.gather_handle is None, (
             f"unit {self.name}: a gather is in flight across the optimizer step"
         )
-        if self.param_shard is not self.flat.shard:
+        flat = self.trainable
+        if flat is not None and flat.param_shard is not flat.flat.shard:
             with torch.no_grad():
-                self.param_shard.copy_(self.flat.shard)
+                flat.param_shard.copy_(flat.flat.shard)
 
     # -- gather and free -----------------------------------------------------------------------
 
     def gather(self, *, wait: bool = True) -> None:
-        """Start (and by default finish) the AllGather that makes the parameters usable."""
-        if not self.gathered and self.gather_handle is None:
-            storage = self.full.untyped_storage()
-            storage.resize_(self.full.numel() * self.full.element_size())
-            self._count(storage.nbytes())
-            name = f"{self.label}/all_gather/unit={self.name}"
-            self.gather_handle = self.comm.all_gather(self.full, self.param_shard, name=name)
+        """Start (and by default finish) the AllGathers that make the parameters usable."""
+        for flat in self.flats:
+            self._count(flat.start_gather(self.label, self.comm))
         if wait:
             self.finish_gather()
 
     def finish_gather(self) -> None:
-        if self.gather_handle is not None:
-            self.gather_handle.wait()
-            self.gather_handle = None
-            for p, view in zip(self.params, self.views):
-                _mark_whole(p)
-                p.data = view
-            self.gathered = True
+        for flat in self.flats:
+            flat.finish_gather()
 
     def reshard(self, *, force: bool = False) -> None:
         """Free the full parameters (see [Note: gathered and sharded]); a pinned unit stays unless forced."""
         if self.pinned and not force:
             return
         self.pinned = False
-        self.finish_gather()
-        for p in self.params:
-            p.data = self.placeholder
-            _mark_sharded(p)
-        self._free_full()
+        for flat in self.flats:
+            self._count(-flat.free())
 
     def release(self, *, wait: bool = True) -> None:
-        """Teardown: the parameters hold values of their own now (no view of ``full``, or their
-        placeholders after a failure, when nothing is waited); free it."""
-        if self.gather_handle is not None and wait:
-            self.gather_handle.wait()
-        self.gather_handle = None
-        for p in self.params:
-            _mark_whole(p)
-        self._free_full()
-
-    def _free_full(self) -> None:
-        storage = self.full.untyped_storage()
-        self._count(-storage.nbytes())
-        storage.resize_(0)
-        self.gathered = False
+        """Teardown: see :meth:`UnitFlat.release`."""
+        for flat in self.flats:
+            self._count(-flat.release(wait=wait))
 
     def _count(self, nbytes: int) -> None:
         if self.meter is not None:
@@ -271,22 +357,34 @@ class ShardedUnit:
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def note_grad(self, position: int) -> bool:
-        """Parameter ``position`` accumulated its gradient; True once the unit's last one did."""
+    def note_grad(self, position: int) -> None:
+        """Trainable parameter ``position`` accumulated its gradient."""
         self.used[position] = True
         self.pending -= 1
-        return self.pending == 0
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not f.trainable for f in self.flats)
+
+    @property
+    def done(self) -> bool:
+        """Its backward is over: every trainable gradient arrived and backward went through to its
+        inputs (for a unit with frozen weights, which no gradient hook tracks)."""
+        return self.pending == 0 and self.inputs_pending == 0
 
     def reduce_scatter(self) -> None:
         """Copy the unit's gradients into a flat buffer, free them, start the ReduceScatter."""
-        flat = torch.zeros(self.flat.padded_numel, dtype=self.reduce_dtype, device=self.full.device)
-        for p, offset in zip(self.params, self.flat.offsets):
-            if p.grad is not None:
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        space = self.flat
+        flat = torch.zeros(space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device)
+        for p, shape, offset in zip(self.params, space.shapes, space.offsets):
+            if p.grad is not None:  # the unit may be freed already (waiting for its turn): use the shape
+                flat[offset : offset + shape.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         flat.div_(self.comm.world_size)
+        if self.buffer_meter is not None:
+            self.buffer_meter.add(flat.numel() * flat.element_size())
         self.reduce_in = flat
-        self.reduce_out = torch.empty(self.flat.shard_numel, dtype=flat.dtype, device=flat.device)
+        self.reduce_out = torch.empty(space.shard_numel, dtype=flat.dtype, device=flat.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
         self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, flat, name=name)
 
@@ -296,6 +394,8 @@ class ShardedUnit:
             return
         self.reduce_handle.wait()
         self.flat.accumulate_grad(self.reduce_out)
+        if self.buffer_meter is not None:
+            self.buffer_meter.add(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
     def end_backward(self) -> None:
@@ -303,6 +403,15 @@ class ShardedUnit:
         self.state = TrainingState.IDLE
         self.pending = len(self.params)
         self.used = [False] * len(self.params)
+        self.inputs_pending = 0
+
+
+def _by_dtype(params: list[tuple[str, nn.Parameter]]) -> dict:
+    """dtype -> the parameters of that dtype (frozen spaces: one per dtype, keys None when only one)."""
+    groups: dict = {}
+    for n, p in params:
+        groups.setdefault(p.dtype, []).append((n, p))
+    return groups if len(groups) > 1 else {None: params} if params else {}
 
 
 def _check_uniform(unit: str, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -310,6 +419,7 @@ def _check_uniform(unit: str, params: list[tuple[str, nn.Parameter]]) -> None:
     if len(kinds) > 1:
         listing = ", ".join(f"{n} ({p.dtype}, {p.device})" for n, p in params)
         raise ValueError(
-            f"unit {unit!r} mixes dtypes or devices, which one flat parameter cannot hold: {listing}. "
-            "Convert the module to one dtype and device, or wrap the differing parts as units of their own."
+            f"unit {unit!r} mixes dtypes or devices among its trainable parameters, which one flat parameter "
+            f"cannot hold: {listing}. Convert the module to one dtype and device, or wrap the differing parts "
+            "as units of their own."
         )

@@ -186,7 +186,7 @@ def _peak(rank: int, world: int, prefetch: bool) -> dict:
         optimizer.step()
         engine.after_step(optimizer, 0)
         optimizer.zero_grad()
-    sizes = {u.name: u.full.numel() * u.full.element_size() for u in engine.zero3.units}
+    sizes = {u.name: u.nbytes for u in engine.zero3.units}
     return {"peak": engine.zero3.meter.peak, "now": engine.zero3.meter.now, "sizes": sizes}
 
 

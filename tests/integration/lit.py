@@ -90,7 +90,7 @@ class SaveRankParams(Callback):
 
     def on_train_end(self, trainer, pl_module):
         # through the strategy: stage 3 holds only shards until teardown (every rank takes part)
-        state = trainer.strategy.lightning_module_state_dict()
+        state = trainer.strategy.full_state_dict(rank0_only=False)
         params = {n: state[n].detach().clone() for n, _ in pl_module.named_parameters()}
         params["global_step"] = torch.tensor(float(trainer.global_step))
         torch.save(params, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

@@ -144,7 +144,7 @@ class Record(Callback):
         step = trainer.global_step
         if step in SNAPSHOTS and step not in self.params:
             # the optimizer's values (fp32 masters under bf16), gathered: every rank takes part
-            state = trainer.strategy.lightning_module_state_dict()
+            state = trainer.strategy.full_state_dict(rank0_only=False)
             self.params[step] = {
                 n: state[n].detach().float().clone() for n, _ in pl_module.named_parameters()
             }

@@ -95,7 +95,8 @@ def test_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(tmp_pa
 
 
 class OptimizerBytes(Callback):
-    """Per rank: tensor bytes of the optimizer state Lightning is about to save."""
+    """Per rank: tensor bytes of the optimizer state Lightning is about to save (stand-ins that are
+    written while gathered have none)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -131,7 +132,9 @@ def test_consolidated_zero3_equals_the_full_save_and_full_save_is_rank0_only(tmp
     )
     loaded = LitResume.load_from_checkpoint(out)  # one plain process
     assert all(torch.equal(p, ref["state_dict"][n]) for n, p in loaded.named_parameters())
-    # the full save consolidated the optimizer state on rank 0 alone: AdamW's two moments + steps
-    psi = sum(p.numel() for p in loaded.parameters())
-    assert torch.load(tmp_path / "optimizer_bytes0.pt") == 8 * psi + 4 * len(list(loaded.parameters()))
-    assert torch.load(tmp_path / "optimizer_bytes1.pt") == 0
+    # no rank held the optimizer state whole: AdamW's moments were stand-ins, gathered one unit at a
+    # time while rank 0 wrote the file; only the step counters were in memory
+    steps = 4 * len(list(loaded.parameters()))
+    assert (
+        torch.load(tmp_path / "optimizer_bytes0.pt") == torch.load(tmp_path / "optimizer_bytes1.pt") == steps
+    )

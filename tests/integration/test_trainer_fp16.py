@@ -45,7 +45,7 @@ class OverflowOnRankZero(SaveRankParams):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         scaler = trainer.precision_plugin.scaler
-        state = trainer.strategy.lightning_module_state_dict()  # all ranks take part
+        state = trainer.strategy.full_state_dict(rank0_only=False)  # all ranks take part
         self.steps.append(
             {
                 "scaler": type(scaler).__name__,
