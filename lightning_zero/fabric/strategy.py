@@ -266,8 +266,11 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Stages 1-3: the 2-norm of the whole gradient, sqrt(AllReduce(sum of the shards' squares)),
-        every shard scaled by the same factor; stage 0 clips its whole gradients as Fabric does."""
+        every shard scaled by the same factor; stage 0 clips its whole gradients as Fabric does. Under
+        fp16 loss scaling a non-finite norm is no error: the scaler skips that step on every rank."""
         engine = self._ready()
+        if getattr(self.precision, "scaler", None) is not None:
+            error_if_nonfinite = False
         if not engine.sharded:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:

@@ -349,3 +349,30 @@ def misuse(root: str) -> dict[str, Any]:
     out["sharded without state"] = _raised(lambda: two.load(f"{root}/z.ckpt"))
     out["key clash"] = _raised(lambda: two.save(f"{root}/w.ckpt", {"model": net, "state_dict": 1}))
     return out
+
+
+@_guard
+def fp16(stage: int, path: str, root: str) -> dict[str, Any]:
+    """fp16 with loss scaling (``param_dtype="fp16"`` over ``"32-true"``: Fabric turns ``16-mixed``
+    into bf16 on CPU). At micro-batch 2 rank 0's loss is multiplied by 1e6, so its fp16 gradients
+    overflow: every rank must skip that step. The scale is saved and loaded back."""
+    fabric = make_fabric(stage, param_dtype="fp16")
+    model, optimizer = set_up(fabric, Loop())
+    for j in range(MICRO_BATCHES):
+        loss = model(*batch(j, fabric.global_rank))
+        fabric.backward(loss * (1e6 if (j, fabric.global_rank) == (2, 0) else 1.0))
+        fabric.clip_gradients(model, optimizer, max_norm=0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    scaler = fabric.strategy.precision.scaler
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    scale = scaler.get_scale()
+    scaler.update(1.0)  # another scale; the load brings the saved one back
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    return {
+        "scaler": type(scaler).__name__,
+        "scale": scale,
+        "loaded_scale": scaler.get_scale(),
+        "skipped": scaler.skipped_steps,
+        "params": full_params(fabric, model),
+    }

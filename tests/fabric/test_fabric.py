@@ -113,6 +113,10 @@ def _jobs(root: Path) -> dict[tuple, object]:
         out[("trainer_resume", strategy, save)] = functools.partial(
             jobs.trainer_resume, strategy, _save_path(root, save)
         )
+    for stage in (0, 2):
+        out[("fp16", stage)] = functools.partial(
+            jobs.fp16, stage, str(root / "ckpt" / f"fp16-zero{stage}.ckpt")
+        )
     out[("surface",)] = jobs.surface
     out[("misuse",)] = jobs.misuse
     return out
@@ -251,6 +255,19 @@ def test_collectives_and_gathered_parameters(runs):
         assert r["sum"] == 3.0 and r["mean"] == 1.5 and r["broadcast"] == {"from": 1}
         assert r["shapes_ok"]
         assert abs(r["squares"] - r["expected_squares"]) <= 1e-4 * r["expected_squares"]
+
+
+def test_fp16_loss_scale_agreed_saved_and_loaded(runs):
+    """fp16 (param_dtype="fp16"): the strategy's ZeroGradScaler replaces the plugin's; rank 0's
+    overflow at one step makes every rank skip it and halve the scale (2^16 -> 2^15), the ranks stay
+    equal, stage 2 ends where stage 0 does, and the scale comes back from the checkpoint."""
+    zero0, _ = _ok(runs, ("fp16", 0))
+    r0, r1 = _ok(runs, ("fp16", 2))
+    for r in (zero0, r0, r1):
+        assert r["scaler"] == "ZeroGradScaler", r["scaler"]
+        assert (r["skipped"], r["scale"], r["loaded_scale"]) == (1, 2.0**15, 2.0**15), r
+    assert _max_diff(r0["params"], r1["params"]) == 0.0
+    assert _max_diff(r0["params"], zero0["params"]) <= 1e-3
 
 
 def test_unsupported_uses_say_what_to_do(runs):
