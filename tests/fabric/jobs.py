@@ -305,8 +305,12 @@ def surface(root: str) -> dict[str, Any]:
     with fabric.strategy.gathered():
         shapes = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
         squares = sum(p.detach().float().pow(2).sum().item() for p in model.module.parameters())
+    train(fabric, model, optimizer, Loop(), range(1), Counter())
+    report = fabric.strategy.memory_report()  # after a step: shards and SGD's momentum, no gradient
     expected = FabricNet(Case())
     return {
+        "memory": tuple(report),
+        "numel": sum(p.numel() for p in expected.parameters()),
         "sum": total.item(),
         "mean": mean.item(),
         "broadcast": sent,
