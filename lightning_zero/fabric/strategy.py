@@ -400,7 +400,8 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         return checkpoint
 
     def _roles(self, state: Mapping[str, Any], *, saving: bool) -> fstate.Roles:
-        """Which of the user's keys hold the model, the optimizers and the LR schedulers."""
+        """Which of the user's keys hold the model, the optimizers and the LR schedulers (a save
+        needs the model; a load reads what is asked for)."""
         model, optimizers, schedulers = None, {}, []
         for key, obj in state.items():
             if self._owns(obj):
@@ -416,7 +417,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
                 optimizers[index] = key
             elif fstate.is_scheduler(obj):
                 schedulers.append(key)
-        if model is None:
+        if model is None and saving:
             raise ValueError(
                 "the state holds no model set up by this strategy: pass it like "
                 "fabric.save(path, {'model': model, 'optimizer': optimizer, ...}) (the object fabric.setup returned)"
@@ -474,15 +475,15 @@ class ZeroStrategy(DDPStrategy, _Sharded):
                 obj.load_state_dict(value)
             else:
                 state[key] = value
-        return fstate.as_saved(checkpoint)
+        return fstate.as_saved(_without_stand_ins(checkpoint))
 
     def _load_model_and_optimizers(
         self, checkpoint: dict[str, Any], roles: fstate.Roles, strict: bool
     ) -> None:
-        engine = self._ready()
-        if fstate.MODEL in checkpoint:
+        """The model and the optimizers asked for, each rank its part (sharded: read in place)."""
+        if roles.model is not None and fstate.MODEL in checkpoint:
             model_state = checkpoint.pop(fstate.MODEL)
-            checkpoints.load_model_state(self._module, engine, self.comm, model_state, strict=strict)
+            checkpoints.load_model_state(self._module, self._ready(), self.comm, model_state, strict=strict)
         if not roles.optimizers or fstate.OPTIMIZERS not in checkpoint:
             return
         states = checkpoint.pop(fstate.OPTIMIZERS)
@@ -490,6 +491,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
             raise checkpoints.CheckpointError(
                 f"the checkpoint holds {len(states)} optimizer states, {len(self._optimizers)} optimizers are set up"
             )
+        engine = self._ready()
         for index in sorted(roles.optimizers):
             optimizer, saved = self._optimizers[index], states[index]
             if isinstance(saved, checkpoints.ShardedOptimizerState):
@@ -600,3 +602,13 @@ def _filtered(key: str | None, filter: Mapping[str, Callable[[str, Any], bool]],
     if key not in filter or not isinstance(value, Mapping):
         return value
     return {k: v for k, v in value.items() if filter[key](k, v)}
+
+
+def _without_stand_ins(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's model and optimizer entries that were not loaded: they stand for data
+    only a load reads, so they are left out of what ``fabric.load`` returns."""
+    if isinstance(checkpoint.get(fstate.MODEL), checkpoints.ShardedModelState):
+        del checkpoint[fstate.MODEL]
+    if any(isinstance(s, checkpoints.ShardedOptimizerState) for s in checkpoint.get(fstate.OPTIMIZERS, [])):
+        del checkpoint[fstate.OPTIMIZERS]
+    return checkpoint

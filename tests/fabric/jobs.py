@@ -207,6 +207,7 @@ def resume(loop: Loop, stage: int, path: str, root: str) -> dict[str, Any]:
             p.fill_(0.25)
     optimizer = make_optimizer(model.parameters(), loop.optimizer)
     model, optimizer = fabric.setup(model, optimizer)
+    model_only = sorted(fabric.load(path, {"model": model}))  # what is not asked for comes back
     state = {"model": model, "optimizer": optimizer, "step": 0}
     remainder = fabric.load(path, state)
     loaded = full_params(fabric, model)
@@ -214,6 +215,7 @@ def resume(loop: Loop, stage: int, path: str, root: str) -> dict[str, Any]:
     return {
         "step": state["step"],
         "remainder": sorted(remainder),
+        "model_only": model_only,
         "loaded": loaded,
         "params": full_params(fabric, model),
     }
