@@ -297,19 +297,27 @@ def trainer_resume(strategy: Any, path: str, root: str) -> dict[str, Any]:
 
 @_guard
 def surface(root: str) -> dict[str, Any]:
-    """Fabric's collectives through the strategy, and stage 3's whole parameters inside gathered()."""
+    """Fabric's collectives through the strategy; after a step, the memory report; a raw state dict
+    (the untrained model's, written by torch.save) back in through ``fabric.load_raw``; stage 3's
+    whole parameters inside ``gathered()``."""
     fabric = make_fabric(3)
     model, optimizer = set_up(fabric, Loop())
     total = fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum")
     mean = fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)))
     sent = fabric.broadcast({"from": fabric.global_rank}, src=1)
     fabric.barrier()
-    with fabric.strategy.gathered():
-        shapes = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
-        squares = sum(p.detach().float().pow(2).sum().item() for p in model.module.parameters())
+    expected = FabricNet(Case())
+    raw = f"{root}/raw.pt"
+    if fabric.global_rank == 0:
+        torch.save(expected.state_dict(), raw)
+    fabric.barrier()
     train(fabric, model, optimizer, Loop(), range(1), Counter())
     report = fabric.strategy.memory_report()  # after a step: shards and SGD's momentum, no gradient
-    expected = FabricNet(Case())
+    trained = full_params(fabric, model)
+    fabric.load_raw(raw, model)
+    with fabric.strategy.gathered():
+        shapes = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
+        whole = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     return {
         "memory": tuple(report),
         "numel": sum(p.numel() for p in expected.parameters()),
@@ -317,8 +325,8 @@ def surface(root: str) -> dict[str, Any]:
         "mean": mean.item(),
         "broadcast": sent,
         "shapes_ok": shapes == {n: tuple(p.shape) for n, p in expected.named_parameters()},
-        "squares": squares,
-        "expected_squares": sum(p.detach().pow(2).sum().item() for p in expected.parameters()),
+        "moved": max((trained[n] - p).abs().max().item() for n, p in expected.named_parameters()),
+        "loaded": max((whole[n] - p).abs().max().item() for n, p in expected.named_parameters()),
     }
 
 
