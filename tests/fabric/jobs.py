@@ -356,6 +356,7 @@ def misuse(root: str) -> dict[str, Any]:
     first = make_optimizer([*net.net.emb.parameters(), *net.net.blocks.parameters()], "sgd")
     second = make_optimizer([*net.net.norm.parameters(), *net.net.head.parameters()], "sgd")
     net, first, second = two.setup(net, first, second)
+    out["another Fabric's model"] = _raised(lambda: fabric.no_backward_sync(net, enabled=True))
     out["one of two optimizers"] = _raised(
         lambda: two.save(f"{root}/y.ckpt", {"model": net, "optimizer": first})
     )

@@ -287,6 +287,7 @@ def test_unsupported_uses_say_what_to_do(runs):
         "second model": "RuntimeError: ZeroStrategy sets up one model per Fabric",
         "norm type": "ValueError: norm_type='inf': stage 3 clips by the 2-norm",
         "no model saved": "ValueError: the state holds no model set up by this strategy",
+        "another Fabric's model": "TypeError: no_backward_sync needs the model that ZeroStrategy set up",
         "one of two optimizers": "ValueError: the state holds 1 of the 2 optimizers set up",
         "sharded without state": "CheckpointError:",
         "key clash": "KeyError:",
