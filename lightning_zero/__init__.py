@@ -1,7 +1,8 @@
 """lightning_zero: ZeRO data parallelism as a PyTorch Lightning strategy.
 
 Importing the package registers the strategy names (``zero0``, ``zero0_spawn``, ...) in
-Lightning's StrategyRegistry, so ``Trainer(strategy="zero0")`` works. Importing twice is harmless.
+Lightning's StrategyRegistry and in Fabric's, so ``Trainer(strategy="zero0")`` and
+``L.Fabric(strategy="zero0")`` work. Importing twice is harmless.
 The public names below are loaded on first use; the ``lightning-zero`` command imports the
 package without the registration, so that it answers without torch (see [Note: a command that
 answers at once] in lightning_zero_cli.py).
@@ -53,12 +54,16 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
-    """Register ``zero0`` .. ``zero3`` (and their ``_spawn``/``_fork`` forms) with Lightning."""
+    """Register ``zero0`` .. ``zero3`` (and their ``_spawn``/``_fork`` forms) with Lightning: the
+    Trainer's registry and Fabric's (``L.Fabric(strategy="zero3")``, see ``lightning_zero/fabric``)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
     from lightning_zero.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
+    FabricZeroStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def _imported_by_the_command() -> bool:

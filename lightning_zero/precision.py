@@ -202,20 +202,22 @@ class ZeroGradScaler(torch.amp.GradScaler):
 
 
 def training_precision(
-    plugin: Precision, policy: PrecisionPolicy | None, comm: Communicator, label: str, device: str
-) -> Precision:
+    plugin: Any, policy: PrecisionPolicy | None, comm: Communicator, label: str, device: str
+) -> Any:
     """The plugin to train with: Lightning's scaler swapped for a :class:`ZeroGradScaler`; or, for an
     explicit ``param_dtype`` over ``precision="32-true"``, autocast in that dtype (fp16 with such a
     scaler), so that parameters the policy leaves in their own dtype (frozen ones) compute with the
-    rest, as under Lightning's mixed flags."""
+    rest, as under Lightning's mixed flags. ``plugin`` is the Trainer's (``lightning.pytorch``) or
+    Fabric's (``lightning.fabric``); a new plugin is of the same family."""
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None:
         if not isinstance(scaler, ZeroGradScaler):
             plugin.scaler = ZeroGradScaler.like(scaler, comm, label)
         return plugin
-    if policy is None or isinstance(plugin, MixedPrecision):
+    base, mixed = _plugin_family(plugin)
+    if policy is None or isinstance(plugin, mixed):
         return plugin
-    if type(plugin) is not Precision:
+    if type(plugin) is not base:
         if policy.param_dtype == torch.float16:
             raise ValueError(
                 f"param_dtype='fp16' needs loss scaling, which the precision plugin {type(plugin).__name__} "
@@ -223,5 +225,15 @@ def training_precision(
             )
         return plugin
     if policy.param_dtype == torch.float16:
-        return MixedPrecision("16-mixed", device, scaler=ZeroGradScaler(comm, device, label=label))
-    return MixedPrecision("bf16-mixed", device)
+        return mixed("16-mixed", device, scaler=ZeroGradScaler(comm, device, label=label))
+    return mixed("bf16-mixed", device)
+
+
+def _plugin_family(plugin: Any) -> tuple[type, type]:
+    """(plain, mixed) precision plugin classes of ``plugin``'s family: the Trainer's or Fabric's."""
+    if isinstance(plugin, Precision):
+        return Precision, MixedPrecision
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+
+    return FabricPrecision, FabricMixed

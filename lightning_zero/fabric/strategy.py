@@ -1,0 +1,614 @@
+"""ZeroStrategy for Lightning Fabric: the Fabric glue over the engines the Trainer's glue uses.
+
+[Note: set up together or apart]
+Stages 1-3 (and stage 0 under a mixed-precision policy, whose optimizers step fp32 masters) lay the
+model's shards out along the optimizers' param groups, so the engine needs the optimizers when it
+wraps the model. ``fabric.setup(model, optimizer, ...)`` gives both at once and the model is wrapped
+there. ``fabric.setup_module(model)`` followed by ``fabric.setup_optimizers(optimizer, ...)`` gives
+them apart: ``setup_module`` then returns the model in a stand-in (:class:`_AwaitingOptimizers`),
+``setup_optimizers`` records the optimizers, and the model is wrapped, with every optimizer set up
+by then, at its first use: the first forward, ``no_backward_sync``, ``save``, ``load``,
+``clip_gradients``, ``gathered()``. An optimizer set up after that cannot be sharded any more and is
+an error that says so. Stage 0 in the model's own dtype needs no optimizer and wraps at once.
+Either way every rank must take the same steps in the same order (the wrap broadcasts rank 0's
+parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
+from lightning.fabric.wrappers import _unwrap_objects
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero import checkpoint as checkpoints
+from lightning_zero.comm import CommLedger, Communicator
+from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
+from lightning_zero.engines import Engine, make_engine
+from lightning_zero.fabric import state as fstate
+from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
+from lightning_zero.memory import MemoryReport, measure
+from lightning_zero.precision import resolve_policy, training_precision
+
+
+class ZeroStrategy(DDPStrategy, _Sharded):
+    """ZeRO data parallelism in Lightning Fabric: ``L.Fabric(strategy="zero3", ...)``.
+
+    The same stages, options, engines and checkpoint formats as the Trainer's
+    :class:`lightning_zero.ZeroStrategy`; Fabric's DDP launchers, cluster environments and ranks.
+
+    Args:
+        stage: ZeRO stage, 0 to 3.
+        config: a whole :class:`~lightning_zero.config.ZeroConfig` instead of ``stage`` and
+            ``**options``.
+        start_method: how ``fabric.launch()`` starts the processes: ``"popen"`` (re-run the script),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``; processes started by ``torchrun`` or SLURM
+            are used as they are.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+            process_group_backend, timeout: as for Fabric's ``DDPStrategy``.
+        **options: any other :class:`~lightning_zero.config.ZeroConfig` field (``bucket_cap_mb``,
+            ``wrap_policy``, ``state_dict_type``, ...); an unknown name is a ``TypeError`` that lists
+            the known ones.
+    """
+
+    def __init__(
+        self,
+        stage: int = 0,
+        *,
+        config: ZeroConfig | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        if config is not None and (options or stage != 0):
+            raise TypeError("give either config=ZeroConfig(...) or stage and options, not both")
+        self._config = config if config is not None else ZeroConfig.from_kwargs(stage=stage, **options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._ledger = CommLedger()  # every collective of this strategy, per optimizer step
+        self._comm: Communicator | None = None  # built once the process group exists
+        self._engine: Engine | None = None  # the stage's mechanism, built with the model's setup
+        self._module: nn.Module | None = None  # the user's model (the one this strategy sets up)
+        self._wrapped: ZeroModule | None = None  # the engine's wrapper, once wrapped
+        self._root: nn.Module | None = None  # what setup returned: the wrapper or a stand-in
+        self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
+
+    @property
+    def config(self) -> ZeroConfig:
+        return self._config
+
+    @property
+    def ledger(self) -> CommLedger:
+        """Every collective issued by this strategy; its step is the number of optimizer steps taken
+        (of the first optimizer set up)."""
+        return self._ledger
+
+    @property
+    def engine(self) -> Engine | None:
+        """The stage's mechanism (hooks, buckets, shards, units), once a model is set up."""
+        return self._engine
+
+    @property
+    def comm(self) -> Communicator:
+        if self._comm is None:
+            self._comm = Communicator(ledger=self._ledger)
+        return self._comm
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers set up with the model, in the order of their checkpoint entries."""
+        return list(self._optimizers)
+
+    # -- setting up ------------------------------------------------------------------------------
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """Wrap ``module`` with its ``optimizers`` (stages 1-3 shard them in place: the same objects)."""
+        self._begin(module)
+        self._optimizers = list(optimizers)
+        self._wrap()
+        self._root = self._wrapped
+        return self._wrapped, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Wrap ``module``, or, where the stage needs the optimizers, return a stand-in that wraps it on
+        first use (see [Note: set up together or apart])."""
+        engine = self._begin(module)
+        if engine.needs_optimizers_first:
+            self._root = _AwaitingOptimizers(module, self)
+        else:
+            self._wrap()
+            self._root = self._wrapped
+        return self._root
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._engine is None:
+            raise RuntimeError(
+                "ZeroStrategy: set up the model before its optimizers (model = fabric.setup_module(model), "
+                "then optimizer = fabric.setup_optimizers(optimizer)), or both at once: "
+                "model, optimizer = fabric.setup(model, optimizer)"
+            )
+        if self._wrapped is not None and self._engine.needs_optimizers_first:
+            raise RuntimeError(
+                f"ZeroStrategy(stage={self._config.stage}) already laid out the model's shards along the "
+                f"{len(self._optimizers)} optimizer(s) it had when the model was first used (forward, "
+                "no_backward_sync, save, load, clip_gradients); it cannot shard another one. Set up every "
+                "optimizer before that: fabric.setup_optimizers(opt1, opt2) right after "
+                "fabric.setup_module(model), or fabric.setup(model, opt1, opt2)"
+            )
+        if any(opt is optimizer for opt in self._optimizers):
+            raise ValueError(f"this {type(optimizer).__name__} is set up already")
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def _begin(self, module: nn.Module) -> Engine:
+        """The engine for ``module`` and the precision plugin to train with (nothing wrapped yet)."""
+        if self._module is not None:
+            raise RuntimeError(
+                f"ZeroStrategy sets up one model per Fabric; {type(self._module).__name__} is set up already. "
+                "Put the models into one nn.Module, or give each its own Fabric"
+            )
+        cfg = self._config
+        policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision.precision)
+        engine = make_engine(cfg, self.comm, policy)
+        self.precision = training_precision(
+            self.precision, policy, self.comm, engine.label, self.root_device.type
+        )
+        self._engine, self._module = engine, module
+        return engine
+
+    def _wrap(self) -> None:
+        """Rank 0's parameters everywhere, then the engine's wrapper with the optimizers it shards."""
+        engine, module = self._engine, self._module
+        assert engine is not None and module is not None
+        broadcast_module_states(module, self.comm, label=engine.label)
+        if engine.sharded and self.comm.world_size == 1:
+            rank_zero_warn(
+                f"stage {self._config.stage} on one process shards nothing: it trains as plain training"
+            )
+        self._wrapped = engine.setup(module, self._optimizers if engine.needs_optimizers_first else [])
+        _optimizers_to_device(self._optimizers, self.root_device)
+
+    def _ready(self) -> Engine:
+        """The engine, with the model wrapped (a stand-in's model is wrapped now)."""
+        if self._engine is None:
+            raise RuntimeError(
+                "ZeroStrategy has no model yet: set it up first with fabric.setup(model, optimizer)"
+            )
+        if self._wrapped is None:
+            self._wrap()
+        return self._engine
+
+    def wrapped_module(self) -> ZeroModule:
+        """The engine's wrapper around the model (wrapping it now if a stand-in was returned)."""
+        self._ready()
+        assert self._wrapped is not None
+        return self._wrapped
+
+    def _owns(self, module: Any) -> bool:
+        """Whether ``module`` is the model set up here: what ``fabric.setup`` returned, the strategy's
+        wrapper inside it, or the user's own model."""
+        module = _unwrap_objects(module)
+        return module is not None and any(module is m for m in (self._root, self._wrapped, self._module))
+
+    def _index(self, optimizer: Any, key: str | None = None) -> int:
+        for i, opt in enumerate(self._optimizers):
+            if opt is optimizer:
+                return i
+        where = f" (under {key!r})" if key is not None else ""
+        raise ValueError(
+            f"the {type(optimizer).__name__}{where} was not set up by this strategy: set it up with "
+            "fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer)"
+        )
+
+    # -- training --------------------------------------------------------------------------------
+
+    def no_sync(self) -> AbstractContextManager:
+        """No collective inside where the stage honours it (see ZeroConfig.accumulate_unsharded)."""
+        return self._ready().no_sync()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The step (through the precision plugin: fp16 loss scaling), then the engine's after-step:
+        masters into the parameters, stages 1-2 all-gather them."""
+        engine = self._ready()
+        index = self._index(optimizer)
+        output = super().optimizer_step(optimizer, **kwargs)
+        engine.after_step(self._optimizers[index], index)
+        if index == 0:
+            self._ledger.begin_step(self._ledger.step + 1)
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Stages 1-3: the 2-norm of the whole gradient, sqrt(AllReduce(sum of the shards' squares)),
+        every shard scaled by the same factor; stage 0 clips its whole gradients as Fabric does. Under
+        fp16 loss scaling a non-finite norm is no error: the scaler skips that step on every rank."""
+        engine = self._ready()
+        if getattr(self.precision, "scaler", None) is not None:
+            error_if_nonfinite = False
+        if not engine.sharded:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"norm_type={norm_type!r}: stage {self._config.stage} clips by the 2-norm over the shards only; "
+                "use norm_type=2, or stage 0"
+            )
+        self.precision.unscale_gradients(optimizer)
+        total = engine.clip_grad_norm_(optimizer, float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of the gradients is {total.item()} (non-finite); the gradients are not usable. "
+                "Pass error_if_nonfinite=False to clip_gradients to go on (the step then writes NaN/inf)"
+            )
+        return total
+
+    def gathered(self) -> AbstractContextManager:
+        """Stage 3: every unit's full parameters inside; every rank must enter it together (see the
+        Trainer strategy's ``gathered``). The other stages hold whole parameters: nothing changes."""
+        return self._ready().gathered() if self._engine is not None else nullcontext()
+
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
+        engine = self._ready()
+        assert self._module is not None
+        grads, extra = engine.grad_tensors(), engine.param_tensors()
+        return measure(self._module, grads, self._optimizers, extra_params=extra)
+
+    # -- creating the model ----------------------------------------------------------------------
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module()``: the model created on this rank's device, in the precision's dtype;
+        ``empty_init=True`` skips the initialisers (for a model a checkpoint will fill)."""
+        stack = ExitStack()
+        stack.enter_context(self.root_device)
+        stack.enter_context(self._init_context(empty_init))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Creation-time sharding: none yet, every stage shards when the model is set up (see
+        :meth:`_init_context`)."""
+        return nullcontext()
+
+    def _init_context(self, empty_init: bool | None) -> AbstractContextManager:
+        """Where parameters come to life: today on the device, full size, initialised unless
+        ``empty_init``. The place for an engine's deferred (meta-device) initialisation at stage 3."""
+        return _EmptyInit(enabled=bool(empty_init))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole model under its original names (stage 3 gathers it: every rank calls it)."""
+        if not self._owns(module):
+            return super().get_module_state_dict(module)
+        assert self._module is not None
+        return self._ready().module_state_dict(self._module)
+
+    @override
+    def load_module_state_dict(
+        self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        """A whole-model state dict into the model as set up (each rank takes its part)."""
+        if not self._owns(module):
+            return super().load_module_state_dict(module, dict(state_dict), strict)
+        checkpoints.load_model_state(self._module, self._ready(), self.comm, state_dict, strict=strict)
+        return None
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state as one process has it, for the original parameters; at stages 1-3
+        gathered to rank 0 only (the others get ``{}``): a collective, every rank calls it."""
+        engine = self._ready()
+        index = self._index(optimizer)
+        if engine.sharded:
+            return checkpoints.gather_optimizer_state(engine, optimizer, index, self.comm)
+        return engine.optimizer_state(optimizer, index)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """``fabric.save``: the Trainer's checkpoint format (see [Note: Fabric state keys]); a full file
+        written by rank 0 or a sharded directory written by every rank, complete or absent. All ranks call it."""
+        engine = self._ready()
+        sharded = self._config.state_dict_type == "sharded"
+        if sharded and filter:
+            raise ValueError(
+                "filter: a sharded checkpoint holds whole models only; use state_dict_type='full'"
+            )
+        if sharded and storage_options is not None:
+            raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
+        path = self._shared_path(path)
+        checkpoint = self._checkpoint_of(state, sharded, filter or {})
+        if sharded:
+            layout = checkpoints.layout_of(self._module, engine, self._config.stage, self.comm.world_size)
+            checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout)
+        else:
+            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options)
+
+    def _checkpoint_of(self, state: Mapping[str, Any], sharded: bool, filter: dict) -> dict[str, Any]:
+        roles = self._roles(state, saving=True)
+        precision_key, precision_state = type(self.precision).__qualname__, self.precision.state_dict()
+        fstate.check_user_keys(state, roles, precision_key if precision_state else None)
+        checkpoint: dict[str, Any] = {}
+        for key, obj in state.items():
+            if key not in roles.keys():
+                checkpoint[key] = _filtered(
+                    key, filter, obj.state_dict() if isinstance(obj, _Stateful) else obj
+                )
+        checkpoint[fstate.MODEL] = _filtered(roles.model, filter, self._model_state(sharded))
+        if roles.optimizers:
+            checkpoint[fstate.OPTIMIZERS] = [
+                self._optimizer_state(self._optimizers[i], i, sharded) for i in sorted(roles.optimizers)
+            ]
+        checkpoint[fstate.SCHEDULERS] = [state[key].state_dict() for key in roles.lr_schedulers]
+        if precision_state:
+            checkpoint[precision_key] = precision_state
+        checkpoint.update(fstate.lightning_entries(roles))
+        return checkpoint
+
+    def _roles(self, state: Mapping[str, Any], *, saving: bool) -> fstate.Roles:
+        """Which of the user's keys hold the model, the optimizers and the LR schedulers (a save
+        needs the model; a load reads what is asked for)."""
+        model, optimizers, schedulers = None, {}, []
+        for key, obj in state.items():
+            if self._owns(obj):
+                if model is not None:
+                    raise ValueError(f"the model is in the state twice, under {model!r} and {key!r}")
+                model = key
+            elif isinstance(obj, Optimizer):
+                index = self._index(obj, key)
+                if index in optimizers:
+                    raise ValueError(
+                        f"one optimizer is in the state twice, under {optimizers[index]!r} and {key!r}"
+                    )
+                optimizers[index] = key
+            elif fstate.is_scheduler(obj):
+                schedulers.append(key)
+        if model is None and saving:
+            raise ValueError(
+                "the state holds no model set up by this strategy: pass it like "
+                "fabric.save(path, {'model': model, 'optimizer': optimizer, ...}) (the object fabric.setup returned)"
+            )
+        if saving and optimizers and len(optimizers) != len(self._optimizers):
+            raise ValueError(
+                f"the state holds {len(optimizers)} of the {len(self._optimizers)} optimizers set up: a checkpoint "
+                "holds all of them (optimizer_states, in set-up order) or none"
+            )
+        return fstate.Roles(model, optimizers, schedulers)
+
+    def _model_state(self, sharded: bool) -> dict[str, Any]:
+        engine = self._ready()
+        if sharded:
+            return checkpoints.sharded_model_state(self._module, engine)
+        return engine.module_state_dict(self._module)
+
+    def _optimizer_state(self, optimizer: Optimizer, index: int, sharded: bool) -> dict[str, Any]:
+        engine = self._ready()
+        if sharded:
+            return checkpoints.sharded_optimizer_state(self._module, engine, optimizer, index)
+        if engine.sharded:
+            return checkpoints.gather_optimizer_state(engine, optimizer, index, self.comm)
+        return engine.optimizer_state(optimizer, index)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``fabric.load``: a checkpoint of the Trainer's format, written by this strategy or by the
+        Trainer's, either form, any stage and world size, into the objects of ``state`` (see [Note:
+        Fabric state keys]); the entries not asked for are returned. All ranks call it."""
+        path = self._shared_path(path)
+        if isinstance(state, (nn.Module, Optimizer)):
+            self._load_raw(path, state, strict, weights_only)
+            return {}
+        checkpoint = checkpoints.read(path, self.checkpoint_io, weights_only)
+        if not state:
+            return self._as_saved(checkpoint, path)
+        roles = self._roles(state, saving=False)
+        if strict:
+            fstate.check_requested(state, roles, checkpoint, path)
+        self._load_model_and_optimizers(checkpoint, roles, strict)
+        self._load_schedulers(checkpoint, state, roles)
+        self._load_precision(checkpoint)
+        for key, obj in state.items():
+            if key in roles.keys() or key not in checkpoint:
+                continue
+            value = checkpoint.pop(key)
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return fstate.as_saved(_without_stand_ins(checkpoint))
+
+    def _load_model_and_optimizers(
+        self, checkpoint: dict[str, Any], roles: fstate.Roles, strict: bool
+    ) -> None:
+        """The model and the optimizers asked for, each rank its part (sharded: read in place)."""
+        if roles.model is not None and fstate.MODEL in checkpoint:
+            model_state = checkpoint.pop(fstate.MODEL)
+            checkpoints.load_model_state(self._module, self._ready(), self.comm, model_state, strict=strict)
+        if not roles.optimizers or fstate.OPTIMIZERS not in checkpoint:
+            return
+        states = checkpoint.pop(fstate.OPTIMIZERS)
+        if len(states) != len(self._optimizers):
+            raise checkpoints.CheckpointError(
+                f"the checkpoint holds {len(states)} optimizer states, {len(self._optimizers)} optimizers are set up"
+            )
+        engine = self._ready()
+        for index in sorted(roles.optimizers):
+            optimizer, saved = self._optimizers[index], states[index]
+            if isinstance(saved, checkpoints.ShardedOptimizerState):
+                checkpoints.load_sharded_optimizer(self._module, engine, self.comm, optimizer, saved)
+            else:
+                engine.load_optimizer_state(optimizer, index, saved)
+        _optimizers_to_device(self._optimizers, self.root_device)
+
+    def _load_schedulers(
+        self, checkpoint: dict[str, Any], state: Mapping[str, Any], roles: fstate.Roles
+    ) -> None:
+        saved = checkpoint.get(fstate.SCHEDULERS, [])
+        for key, scheduler_state in zip(roles.lr_schedulers, saved):
+            state[key].load_state_dict(scheduler_state)
+        if roles.lr_schedulers:
+            checkpoint.pop(fstate.SCHEDULERS, None)
+
+    def _load_precision(self, checkpoint: dict[str, Any]) -> None:
+        """The precision plugin's state (fp16 loss scale), filed under its class name as the Trainer does."""
+        key = type(self.precision).__qualname__
+        if key in checkpoint:
+            self.precision.load_state_dict(checkpoint.pop(key))
+
+    def _load_raw(
+        self, path: str, obj: nn.Module | Optimizer, strict: bool, weights_only: bool | None
+    ) -> None:
+        """``fabric.load_raw``: a bare state dict (a module's, or an optimizer's single-process one)."""
+        raw = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if isinstance(obj, Optimizer):
+            self._ready().load_optimizer_state(obj, self._index(obj), raw)
+        elif self._owns(obj):
+            checkpoints.load_model_state(self._module, self._ready(), self.comm, raw, strict=strict)
+        else:
+            obj.load_state_dict(raw, strict=strict)
+
+    def _as_saved(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+        if isinstance(checkpoint.get(fstate.MODEL), checkpoints.ShardedModelState):
+            raise checkpoints.CheckpointError(
+                f"{path} is a sharded checkpoint: it loads into objects, fabric.load(path, {{'model': model, ...}}), "
+                "or turns into one file with: lightning-zero consolidate PATH OUT.ckpt"
+            )
+        return fstate.as_saved(checkpoint)
+
+    def _shared_path(self, path: _PATH) -> str:
+        """Rank 0's path on every rank: all of them read or write the same checkpoint."""
+        return self.comm.broadcast_object(str(path), name="checkpoint/path", device=self.root_device)
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    @override
+    def teardown(self) -> None:
+        """End training: hooks removed, the model whole again in its own parameters (stage 3 gathers
+        it: every rank calls it)."""
+        if self._engine is not None and self._wrapped is not None:
+            self._engine.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in SUPPORTED_STAGES:
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                name = f"zero{stage}{suffix}"
+                if name in strategy_registry:
+                    continue
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"ZeRO stage {stage} data parallelism, start_method '{start_method}'",
+                    stage=stage,
+                    start_method=start_method,
+                )
+
+
+class _AwaitingOptimizers(nn.Module):
+    """``setup_module``'s answer where the engine shards along the optimizers (see [Note: set up
+    together or apart]): runs the model through the engine's wrapper, wrapping it on the first call."""
+
+    def __init__(self, module: nn.Module, strategy: ZeroStrategy) -> None:
+        super().__init__()
+        self.module = module  # the user's model
+        self._strategy = strategy  # wraps the model once its optimizers are known
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._strategy.wrapped_module()(*args, **kwargs)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: the engine's no_sync on the model set up here."""
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not self._strategy._owns(module):
+            raise TypeError(
+                "no_backward_sync needs the model that ZeroStrategy set up (the object fabric.setup returned), "
+                f"got a {type(module).__name__}"
+            )
+        return self._strategy.no_sync()
+
+
+def _filtered(key: str | None, filter: Mapping[str, Callable[[str, Any], bool]], value: Any) -> Any:
+    """Fabric's ``save(..., filter={key: fn})``: the items of a dict entry for which ``fn`` is true."""
+    if key not in filter or not isinstance(value, Mapping):
+        return value
+    return {k: v for k, v in value.items() if filter[key](k, v)}
+
+
+def _without_stand_ins(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's model and optimizer entries that were not loaded: they stand for data
+    only a load reads, so they are left out of what ``fabric.load`` returns."""
+    if isinstance(checkpoint.get(fstate.MODEL), checkpoints.ShardedModelState):
+        del checkpoint[fstate.MODEL]
+    if any(isinstance(s, checkpoints.ShardedOptimizerState) for s in checkpoint.get(fstate.OPTIMIZERS, [])):
+        del checkpoint[fstate.OPTIMIZERS]
+    return checkpoint
