@@ -150,6 +150,14 @@ class Engine:
             return module.state_dict()
         return state_dict_with(module, self._master_values())
 
+    def full_state_dict(self, module: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
+        """The module's state dict with full parameter values (the optimizer's), in CPU memory;
+        ``rank0_only``: only rank 0 gets it (the others ``{}``). Every rank calls it."""
+        state = self.module_state_dict(module)
+        if rank0_only and self.comm.rank != 0:
+            return {}
+        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
+
     def _master_values(self) -> dict[int, Tensor]:
         """id(param) -> full master value (empty when the parameters are their own masters)."""
         return {i: m.detach().clone() for i, m in self.masters.items()}

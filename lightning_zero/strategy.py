@@ -139,12 +139,11 @@ class ZeroStrategy(DDPStrategy):
         it). Stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others
         ``{}``), so no rank ever holds the whole model beyond it. Works during and after ``fit``."""
         engine, module = self._state_engine, self.lightning_module
-        if engine is not None and hasattr(engine, "full_state_dict"):
+        if engine is not None:
             return engine.full_state_dict(module, rank0_only=rank0_only)
-        state = engine.module_state_dict(module) if engine is not None else module.state_dict()
         if rank0_only and self.global_rank != 0:
             return {}
-        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
+        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
 
     @property
     def _sharded_after_fit(self) -> bool:

@@ -16,8 +16,8 @@ parameters).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +105,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         self._wrapped: ZeroModule | None = None  # the engine's wrapper, once wrapped
         self._root: nn.Module | None = None  # what setup returned: the wrapper or a stand-in
         self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
+        self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
 
     @property
     def config(self) -> ZeroConfig:
@@ -198,12 +199,14 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         """Rank 0's parameters everywhere, then the engine's wrapper with the optimizers it shards."""
         engine, module = self._engine, self._module
         assert engine is not None and module is not None
-        broadcast_module_states(module, self.comm, label=engine.label)
+        if self._config.stage != 3:  # stage 3 takes rank 0's values unit by unit (or builds them)
+            broadcast_module_states(module, self.comm, label=engine.label)
         if engine.sharded and self.comm.world_size == 1:
             rank_zero_warn(
                 f"stage {self._config.stage} on one process shards nothing: it trains as plain training"
             )
-        self._wrapped = engine.setup(module, self._optimizers if engine.needs_optimizers_first else [])
+        optimizers = self._optimizers if engine.needs_optimizers_first else []
+        self._wrapped = engine.setup(module, optimizers, device=self.root_device, rng_state=self._init_rng)
         _optimizers_to_device(self._optimizers, self.root_device)
 
     def _ready(self) -> Engine:
@@ -287,6 +290,19 @@ class ZeroStrategy(DDPStrategy, _Sharded):
             )
         return total
 
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Stage 3 places only shards on the device, unit by unit, when the model is set up (a model
+        built on the meta device cannot move before it has values); the other stages move it whole."""
+        if self._config.stage != 3:
+            super().module_to_device(module)
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Any]:
+        """The model's state dict with full parameter values, in CPU memory (every rank calls it);
+        stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others ``{}``)."""
+        engine = self._ready()
+        return engine.full_state_dict(self._module, rank0_only=rank0_only)
+
     def gathered(self) -> AbstractContextManager:
         """Stage 3: every unit's full parameters inside; every rank must enter it together (see the
         Trainer strategy's ``gathered``). The other stages hold whole parameters: nothing changes."""
@@ -313,14 +329,24 @@ class ZeroStrategy(DDPStrategy, _Sharded):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        """Creation-time sharding: none yet, every stage shards when the model is set up (see
-        :meth:`_init_context`)."""
-        return nullcontext()
+        """At stage 3 modules created inside are built on the meta device and given their values
+        unit by unit when the model is set up (see [Note: deferred initialisation]); the other
+        stages create them as DDP does."""
+        return self._deferred_init() if self._config.stage == 3 else nullcontext()
 
     def _init_context(self, empty_init: bool | None) -> AbstractContextManager:
-        """Where parameters come to life: today on the device, full size, initialised unless
-        ``empty_init``. The place for an engine's deferred (meta-device) initialisation at stage 3."""
+        """Where parameters come to life: at stage 3 with ``empty_init=True`` on the meta device,
+        given values unit by unit at setup; otherwise on the device, full size, initialised unless
+        ``empty_init``."""
+        if self._config.stage == 3 and empty_init:
+            return self._deferred_init()
         return _EmptyInit(enabled=bool(empty_init))
+
+    @contextmanager
+    def _deferred_init(self) -> Generator[None, None, None]:
+        self._init_rng = torch.get_rng_state()
+        with torch.device("meta"):
+            yield
 
     # -- checkpoints -----------------------------------------------------------------------------
 
