@@ -128,6 +128,13 @@ def _add_plan_parser(subparsers: Any) -> None:
         "--fp32-grad-accum", action="store_true", help="count an fp32 gradient-accumulation buffer"
     )
     mem.add_argument(
+        "--frozen-params",
+        type=_quantity(),
+        default=0.0,
+        help="Ψ_f, frozen parameters (a fine-tuned base): 7B",
+    )
+    mem.add_argument("--frozen-bytes", type=float, default=2, help="bytes per frozen parameter element (2)")
+    mem.add_argument(
         "--memory", type=_quantity("B"), help="device memory: 80GB, 96GiB (default: the preset's)"
     )
     _add_hardware_arguments(p)
@@ -204,6 +211,8 @@ def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
             param_bytes=args.param_bytes,
             grad_bytes=args.grad_bytes,
             fp32_grad_accum=args.fp32_grad_accum,
+            frozen=args.frozen_params,
+            frozen_bytes=args.frozen_bytes,
         ),
         device_memory=args.memory or (hw.memory if hw else None),
         hardware=hw,
@@ -459,6 +468,8 @@ def _json_report(inp: PlanInputs, sections: list[Section], plots: list[Path]) ->
 
 def _print_sections(inp: PlanInputs, sections: list[Section], plots: list[Path]) -> None:
     header = f"{inp.model + ': ' if inp.model else ''}Ψ = {_count(inp.psi)} trainable parameters"
+    frozen = inp.memory_options.get("frozen", 0)
+    header += f" + {_count(frozen)} frozen (no gradient or optimizer state)" if frozen else ""
     try:
         from rich.console import Console
     except ImportError:  # rich is an optional extra: plain text then

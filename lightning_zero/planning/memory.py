@@ -20,7 +20,9 @@ Per rank, with p = param_bytes, g = grad_bytes:
     stage 3           (p + g + k) Ψ / N                                           1.88 GB
 
 An fp32 gradient-accumulation buffer adds 4Ψ at stages 0-1 and 4Ψ/N at stages 2-3 (the sharded
-stages only accumulate their own slice). GB here is 1e9 bytes, as in the ZeRO paper.
+stages only accumulate their own slice). Frozen parameters Ψ_f (a fine-tuned model's base) have
+no gradient and no optimizer state: f Ψ_f bytes (f = 2 or 4) at stages 0-2, f Ψ_f / N at stage 3,
+which shards them with the trainable ones. GB here is 1e9 bytes, as in the ZeRO paper.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def model_state_memory(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     fp32_grad_accum: bool = False,
+    frozen: float = 0,
+    frozen_bytes: float = 2,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at one stage (see [Note: the k convention]).
 
@@ -88,13 +92,17 @@ def model_state_memory(
         param_bytes: bytes per parameter element (2 for bf16/fp16).
         grad_bytes: bytes per gradient element (2 for bf16/fp16).
         fp32_grad_accum: add an fp32 gradient-accumulation buffer.
+        frozen: Ψ_f, frozen parameters (counted with the parameters: no gradient, no optimizer state).
+        frozen_bytes: bytes per frozen element (they keep their own dtype: 2 or 4).
 
     Returns:
         The estimate, split by category, in bytes.
     """
     _check(psi, world_size, stage, k)
     n = world_size
-    params = psi * param_bytes / (n if stage >= 3 else 1)
+    if frozen < 0:
+        raise ValueError(f"frozen parameters must be >= 0, got {frozen}")
+    params = (psi * param_bytes + frozen * frozen_bytes) / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     optimizer = psi * k / (n if stage >= 1 else 1)
     accum = psi * FP32_ACCUM_BYTES / (n if stage >= 2 else 1) if fp32_grad_accum else 0.0

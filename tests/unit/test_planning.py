@@ -110,6 +110,17 @@ def test_max_params_pure_dp_on_tpu_v5p():
     assert max_params(80e9, 64, 3) == pytest.approx(80e9 * 64 / 16)
 
 
+def test_frozen_parameters_count_without_gradients_or_optimizer_state():
+    # a 7B bf16 base frozen, 100M trainable: stage 3 shards the frozen weights too
+    base = dict(k=12, param_bytes=2, grad_bytes=2, frozen=7e9, frozen_bytes=2)
+    dp, z3 = model_state_memory(1e8, 8, 0, **base), model_state_memory(1e8, 8, 3, **base)
+    assert dp.params == 2e8 + 14e9 and dp.grads == 2e8 and dp.optimizer == 12e8
+    assert z3.params == (2e8 + 14e9) / 8 and z3.total == pytest.approx((16e8 + 14e9) / 8)
+    assert model_state_memory(1e8, 8, 2, **base).params == 2e8 + 14e9  # stages 0-2 keep them whole
+    with pytest.raises(ValueError, match="frozen parameters must be >= 0"):
+        model_state_memory(1e8, 8, 3, frozen=-1)
+
+
 def test_memory_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="stage must be one of .* got 4"):
         model_state_memory(1e9, 8, 4)
