@@ -10,6 +10,7 @@ losses and a hash of the final parameters. Both are added to the Hydra app by th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -195,11 +196,19 @@ class RunDigest(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         out_dir = Path(self.out_dir if self.out_dir is not None else trainer.default_root_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v for k, v in pl_module.state_dict().items() if isinstance(v, torch.Tensor)}
+        # stage 3 holds 1/N of each parameter between steps: hash the whole model, gathered on
+        # every rank together (the other strategies hold whole parameters; nothing to gather)
+        gathered = getattr(trainer.strategy, "gathered", contextlib.nullcontext)
+        with gathered():
+            state = {
+                k: v.detach().clone()
+                for k, v in pl_module.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            }
         record = self._record(trainer, parameter_sha256(state))
         (out_dir / f"digest_rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
         if self.save_params and trainer.is_global_zero:
-            torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, out_dir / "params.pt")
+            torch.save({k: v.cpu() for k, v in state.items()}, out_dir / "params.pt")
 
     def _record(self, trainer: L.Trainer, sha256: str) -> dict[str, Any]:
         environment = getattr(trainer.strategy, "cluster_environment", None)

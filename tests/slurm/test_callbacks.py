@@ -88,11 +88,11 @@ def one_task_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     signal.signal(signal.SIGTERM, sigterm)  # RequeueOnSignal lets SIGTERM end the process
 
 
-def fit(root: Path, *callbacks: L.Callback) -> tuple[L.Trainer, Regression]:
+def fit(root: Path, *callbacks: L.Callback, strategy: str = "zero2") -> tuple[L.Trainer, Regression]:
     L.seed_everything(0)
     model = Regression()
     trainer = L.Trainer(
-        strategy="zero2", accelerator="cpu", devices=1, max_steps=STEPS, default_root_dir=root,
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, default_root_dir=root,
         callbacks=list(callbacks), logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=1, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -165,3 +165,17 @@ def test_parameter_hash_sees_values_names_and_shapes():
     assert parameter_sha256(a) != parameter_sha256({**a, "b": torch.tensor(2.0)})
     assert parameter_sha256(a) != parameter_sha256({"w": torch.zeros(4), "b": a["b"]})
     assert parameter_sha256(a) != parameter_sha256({"v": a["w"], "b": a["b"]})
+
+
+def test_run_digest_at_stage_3_hashes_the_whole_model(tmp_path: Path):
+    """Stage 3 holds 1/N of each parameter between steps: the digest gathers them first."""
+    digest = RunDigest(out_dir=str(tmp_path / "out"))
+    trainer, model = fit(tmp_path, digest, strategy="zero3")
+    saved = torch.load(tmp_path / "out" / "params.pt")
+    with trainer.strategy.gathered():
+        whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert saved.keys() == whole.keys()
+    assert all(torch.equal(saved[k], whole[k]) for k in whole)
+    assert (
+        f'"param_sha256": "{parameter_sha256(whole)}"' in (tmp_path / "out" / "digest_rank0.json").read_text()
+    )
