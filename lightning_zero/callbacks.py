@@ -283,31 +283,25 @@ class _Window:
         self.elapsed = 0.0  # wall seconds of the closed segments
         self.open = False  # a segment is running
         self._start = 0.0  # perf_counter at the start of the open segment
-        self._index = 0  # len(ledger.records) at the start of the open segment
+        self._index = 0  # ledger.recorded at the start of the open segment
         self._waits: Counter[str] = Counter()  # ledger wait totals at the start of the open segment
         self.resume()
-
-    def _wait_totals(self) -> Counter[str]:
-        totals: Counter[str] = Counter()
-        for (_, op), seconds in self.ledger.waits.items() if self.ledger is not None else ():
-            totals[op] += seconds
-        return totals
 
     def resume(self) -> None:
         if self.open:
             return
         self.open, self._start = True, time.perf_counter()
-        if self.ledger is not None:
-            self._index, self._waits = len(self.ledger.records), self._wait_totals()
+        if self.ledger is not None:  # O(ops): see [Note: bounded ledger]
+            self._index, self._waits = self.ledger.recorded, self.ledger.wait_totals()
 
     def pause(self) -> None:
         if not self.open:
             return
         self.open = False
         self.elapsed += time.perf_counter() - self._start
-        if self.ledger is not None:
-            self.records.extend(self.ledger.records[self._index :])
-            self.waits.update(self._wait_totals() - self._waits)
+        if self.ledger is not None:  # O(collectives of the segment), whatever the run's length
+            self.records.extend(self.ledger.records_since(self._index))
+            self.waits.update(self.ledger.wait_totals() - self._waits)
 
 
 # --------------------------------------------------------------------------- the callback

@@ -62,6 +62,9 @@ class ZeroConfig:
             every rank writes only its own shards, in parallel, into a directory in the
             ``torch.distributed.checkpoint`` format (docs/checkpoints.md). Either form resumes
             with any stage on any number of ranks.
+        ledger_records: how many of the latest collectives the communication ledger keeps in
+            detail (name, sizes); per-step aggregates and run totals are kept apart, so memory
+            stays bounded however long the run (docs/monitoring.md).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -78,6 +81,7 @@ class ZeroConfig:
     param_dtype: str | None = None  # "bf16" | "fp16" | "fp32" | None: follow Lightning's precision flag
     reduce_dtype: str | None = None  # gradients on the wire; None: param_dtype
     state_dict_type: str = "full"  # checkpoints: "full" (one file, rank 0) or "sharded" (a directory)
+    ledger_records: int = 4_096  # collectives the ledger keeps in detail (bounded memory)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -99,6 +103,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if value is not None and value not in ("bf16", "fp16", "fp32"):
                 raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
+        self._check_failure_handling()
 
     def _check_stage3(self) -> None:
         _check_bool("prefetch", self.prefetch)
@@ -114,6 +119,11 @@ class ZeroConfig:
             raise ValueError(f"wrap_policy and min_num_params apply to stage 3 only, got stage={self.stage}")
         if self.wrap_policy is not None and self.min_num_params is not None:
             raise ValueError("give either wrap_policy or min_num_params, not both")
+
+    def _check_failure_handling(self) -> None:
+        _check_int("ledger_records", self.ledger_records)
+        if self.ledger_records < 1:
+            raise ValueError(f"ledger_records must be >= 1, got {self.ledger_records}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:

@@ -89,7 +89,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._forward_redirection = _ForwardRedirection()
-        self._ledger = CommLedger()  # every collective of this strategy, per step
+        self._ledger = CommLedger(max_records=self._config.ledger_records)  # collectives, per step, bounded
         self._comm: Communicator | None = None  # built once the process group exists
         self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.ledger import CommLedger, CommRecord
+from lightning_zero.comm.ledger import CommLedger
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -180,8 +180,7 @@ class Communicator:
 
     def _record_unmodelled(self, op: str, name: str, payload_bytes: int, wire: float) -> None:
         """Record an op outside the ledger's ring model (gather, barrier) with its own wire bytes."""
-        record = CommRecord(self.ledger.step, op, name, payload_bytes, wire, self.world_size)
-        self.ledger.records.append(record)
+        self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
 
     def gather(self, output: Tensor | None, input: Tensor, *, dst: int = 0, name: str) -> None:
         """Every rank's ``input`` (1D, one shard) concatenated into ``output`` (1D, N x shard) on rank

@@ -284,7 +284,7 @@ class GradReducer:
                 "not supported, use use_reentrant=False"
             )
         self._ready[i] = True
-        if not self._rebuilt:
+        if not self._rebuilt and self.stage == 0:  # only stage 0 rebuilds; elsewhere it would grow forever
             self._ready_order.append(i)
         self._slot[i][0].pending -= 1
         self._launch_ready_buckets()
