@@ -22,6 +22,7 @@ previous siblings, publishing), ``consolidate.py``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
 from lightning_zero.checkpoint.consolidate import Consolidated, consolidate
-from lightning_zero.checkpoint.files import remove, resolve
+from lightning_zero.checkpoint.files import fallbacks, remove, remove_stale_partials, resolve
 from lightning_zero.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT,
@@ -42,6 +43,13 @@ from lightning_zero.checkpoint.format import (
     Piece,
 )
 from lightning_zero.checkpoint.full import _load_full_model, _read_full, gather_optimizer_state, save_full
+from lightning_zero.checkpoint.integrity import (
+    INTEGRITY_KEY,
+    files_of,
+    verify_full,
+    verify_sharded,
+    verify_zip_records,
+)
 from lightning_zero.checkpoint.layout import layout_of
 from lightning_zero.checkpoint.sharded import (
     ShardedModelState,
@@ -54,6 +62,7 @@ from lightning_zero.checkpoint.sharded import (
 from lightning_zero.checkpoint.sharded_load import _load_sharded_model, load_sharded_optimizer
 from lightning_zero.comm import Communicator
 
+log = logging.getLogger(__name__)
 CheckpointError.__module__ = __name__  # raised and shown as lightning_zero.checkpoint.CheckpointError
 
 __all__ = [
@@ -70,13 +79,16 @@ __all__ = [
     "ShardedModelState",
     "ShardedOptimizerState",
     "consolidate",
+    "fallbacks",
     "gather_optimizer_state",
     "inspect_sharded",
     "layout_of",
     "load_model_state",
     "load_sharded_optimizer",
     "read",
+    "read_or_fallback",
     "remove",
+    "remove_stale_partials",
     "resolve",
     "save_full",
     "save_sharded",
@@ -85,23 +97,89 @@ __all__ = [
 ]
 
 
-def read(path: str | Path, checkpoint_io: CheckpointIO, weights_only: bool | None = None) -> dict[str, Any]:
+def read(
+    path: str | Path,
+    checkpoint_io: CheckpointIO,
+    weights_only: bool | None = None,
+    *,
+    comm: Communicator | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
     """Lightning's checkpoint dict: a full file as saved; for a sharded directory ``meta.pt``'s
     entries, with stand-ins for the model and optimizer states, which are read later, each rank
-    its own part (checked first: see :func:`inspect_sharded`)."""
+    its own part (checked first: see :func:`inspect_sharded`). ``verify``: against the checksums
+    recorded when it was written ([Note: checkpoint checksums]); with ``comm`` every rank takes
+    part (the sharded form's files are checked one rank each, the verdict shared)."""
     if "://" in str(path):
-        return _read_full(str(path), checkpoint_io, weights_only)
+        return _verified_full(_read_full(str(path), checkpoint_io, weights_only), path, verify)
     p = resolve(path)
     if not p.is_dir():
-        return _read_full(p, checkpoint_io, weights_only)
+        if verify:
+            verify_zip_records(p, only_pickle=True)
+        return _verified_full(_read_full(p, checkpoint_io, weights_only), p, verify)
     meta, metadata = inspect_sharded(p)
     layout = meta.pop(LAYOUT_KEY)
+    if verify:
+        _verify_shards(p, metadata, layout.get("checksums"), comm)
     meta["state_dict"] = ShardedModelState(p, layout, metadata)
     if layout["optimizers"] is not None:
         meta["optimizer_states"] = [
             ShardedOptimizerState(p, layout, metadata, i) for i in range(len(layout["optimizers"]))
         ]
     return meta
+
+
+def _verified_full(checkpoint: dict[str, Any], source: Any, verify: bool) -> dict[str, Any]:
+    if verify:
+        verify_full(checkpoint, source)
+    checkpoint.pop(INTEGRITY_KEY, None)  # describes the file as written, not the dict from now on
+    return checkpoint
+
+
+def _verify_shards(path: Path, metadata: Any, record: Any, comm: Communicator | None) -> None:
+    """Each rank checks every N-th shard file; one verdict for all (a control collective)."""
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    error = None
+    try:
+        verify_sharded(path, metadata, record, set(files_of(metadata)[rank::world]))
+    except CheckpointError as err:
+        error = str(err)
+    errors = comm.all_gather_object(error, name="checkpoint/verify") if comm is not None else [error]
+    found = next((e for e in errors if e), None)
+    if found is not None:
+        raise CheckpointError(found)
+
+
+def read_or_fallback(
+    path: str | Path,
+    checkpoint_io: CheckpointIO,
+    weights_only: bool | None = None,
+    *,
+    comm: Communicator | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """:func:`read`, or, when ``path`` is missing or damaged, the first intact checkpoint of
+    :func:`fallbacks` with a warning that names both; every rank takes the same decision."""
+    try:
+        return read(path, checkpoint_io, weights_only, comm=comm, verify=verify)
+    except (CheckpointError, FileNotFoundError) as err:
+        if "://" in str(path):
+            raise
+        candidates = fallbacks(Path(path))
+        if comm is not None:
+            candidates = comm.all_gather_object(candidates, name="checkpoint/fallbacks")[0]  # rank 0's list
+        for candidate in candidates:
+            try:
+                checkpoint = read(candidate, checkpoint_io, weights_only, comm=comm, verify=verify)
+            except (CheckpointError, FileNotFoundError):
+                continue
+            if comm is None or comm.rank == 0:
+                log.warning(
+                    f"{path} cannot be loaded ({err}); loading the previous intact checkpoint {candidate} "
+                    f"(step {checkpoint.get('global_step')}) instead"
+                )
+            return checkpoint
+        raise
 
 
 def load_model_state(

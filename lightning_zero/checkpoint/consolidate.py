@@ -23,6 +23,7 @@ from lightning_zero.checkpoint.format import (
     _LoadPlanner,
     _unbox,
 )
+from lightning_zero.checkpoint.integrity import add_full_checksums, files_of, verify_sharded
 from lightning_zero.checkpoint.sharded import _reader, inspect_sharded
 from lightning_zero.checkpoint.sharded_load import _read_named_state, _state_index
 from lightning_zero.comm import Communicator
@@ -48,6 +49,7 @@ def consolidate(source: str | Path, out: str | Path, *, weights_only: bool = Fal
         )
     meta, metadata = inspect_sharded(src)
     layout = meta.pop(LAYOUT_KEY)
+    verify_sharded(src, metadata, layout.get("checksums"), set(files_of(metadata)))
     comm = Communicator()
     checkpoint = dict(meta)
     checkpoint["state_dict"] = _read_full_model(comm, src, layout, metadata)
@@ -61,6 +63,7 @@ def consolidate(source: str | Path, out: str | Path, *, weights_only: bool = Fal
         ]
     target = Path(out)
     partial = _sibling(target, "partial")
+    add_full_checksums(checkpoint)
     torch.save(checkpoint, partial)
     os.replace(partial, target)
     return Consolidated(target, len(checkpoint["state_dict"]), len(optimizers or []), target.stat().st_size)

@@ -12,8 +12,15 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.files import _publish, _remove, _sibling, _size, _write_synced
+from lightning_zero.checkpoint.files import (
+    _publish,
+    _sibling,
+    _size,
+    _write_synced,
+    remove_stale_partials,
+)
 from lightning_zero.checkpoint.format import CheckpointError, _hyper
+from lightning_zero.checkpoint.integrity import add_full_checksums
 from lightning_zero.checkpoint.layout import _check_keys, _check_shape, _names, _slots
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.flat_param import original_indices
@@ -77,23 +84,26 @@ def save_full(
     comm: Communicator,
     checkpoint_io: CheckpointIO,
     storage_options: Any = None,
+    *,
+    keep_previous: bool = True,
 ) -> None:
-    """Rank 0 writes ``checkpoint`` as one file; every rank calls it.
+    """Rank 0 writes ``checkpoint`` as one file, with its tensors' CRC32s; every rank calls it.
 
     With the default TorchCheckpointIO and a local path, rank 0 streams it into ``.NAME.partial``
     and renames that into place (TorchCheckpointIO itself would first serialize the whole file
     into memory, doubling rank 0's peak); any other CheckpointIO writes as it writes.
     """
     if comm.rank == 0:
+        add_full_checksums(checkpoint)  # see [Note: checkpoint checksums]
         local = (
             type(checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
         )
         if local:
             partial = _sibling(Path(path), "partial")
             partial.parent.mkdir(parents=True, exist_ok=True)
-            _remove(partial)
+            remove_stale_partials(partial.parent)
             _write_synced(checkpoint, partial)
-            _publish(partial, Path(path))
+            _publish(partial, Path(path), keep_previous=keep_previous)
         else:
             checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
     comm.barrier(name="checkpoint/barrier/published")

@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.files import _publish, _remove, _sibling, _size, _write_synced
+from lightning_zero.checkpoint.files import (
+    _publish,
+    _sibling,
+    _size,
+    _write_synced,
+    remove_stale_partials,
+)
 from lightning_zero.checkpoint.format import (
     DCP_METADATA_FILE,
     FORMAT,
@@ -45,6 +51,7 @@ from lightning_zero.checkpoint.format import (
     _optimizer_prefix,
     _SavePlanner,
 )
+from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
 from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _overlaps, _slots
 from lightning_zero.comm import Communicator
 
@@ -134,10 +141,18 @@ def _sub_shard_pieces(engine: Any, optimizer: Optimizer, index: int, names: dict
     return state
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, comm: Communicator, layout: dict[str, Any]) -> None:
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: Path,
+    comm: Communicator,
+    layout: dict[str, Any],
+    *,
+    keep_previous: bool = True,
+) -> None:
     """Write a sharded checkpoint directory at ``path`` (every rank calls it; see [Note: complete
     or absent]). ``checkpoint`` is Lightning's dict with this rank's model and optimizer parts
-    (:func:`sharded_model_state`, :func:`sharded_optimizer_state`)."""
+    (:func:`sharded_model_state`, :func:`sharded_optimizer_state`). Every rank checksums the
+    chunks it wrote ([Note: checkpoint checksums]); rank 0 keeps them in meta.pt."""
     items = {MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
     optimizers = checkpoint.pop("optimizer_states", None)
     for i, opt in enumerate(optimizers or []):
@@ -147,15 +162,18 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, comm: Communicator, lay
     layout = {**layout, "optimizers": None if optimizers is None else [o["param_groups"] for o in optimizers]}
     partial = _sibling(path, "partial")
     if comm.rank == 0:
-        _remove(partial)
+        remove_stale_partials(path.parent)
         partial.mkdir(parents=True)
     comm.barrier(name="checkpoint/barrier/partial")
-    comm.save_checkpoint_items(
+    metadata = comm.save_checkpoint_items(
         items, FileSystemWriter(partial), _SavePlanner(), name="checkpoint/save/shards"
     )
+    mine = {f for f in files_of(metadata) if f.startswith(f"__{comm.rank}_")}
+    chunks = comm.all_gather_object(shard_checksums(partial, metadata, mine), name="checkpoint/checksums")
     if comm.rank == 0:
+        layout["checksums"] = sharded_record(partial, {k: v for part in chunks for k, v in part.items()})
         _write_synced({**checkpoint, LAYOUT_KEY: layout}, partial / META_FILE)
-        _publish(partial, path)
+        _publish(partial, path, keep_previous=keep_previous)
     comm.barrier(name="checkpoint/barrier/published")
 
 
@@ -203,6 +221,7 @@ def inspect_sharded(path: Path) -> tuple[dict[str, Any], Metadata]:
                 f"{path} is not a complete sharded checkpoint: {name} ({why}) is missing. A save that did "
                 "not finish leaves no checkpoint under its final name; was this directory copied in part?"
             )
+    verify_zip_records(path / META_FILE, only_pickle=False)  # small: every record's CRC
     meta = _load_meta(path / META_FILE)
     layout = meta.get(LAYOUT_KEY) if isinstance(meta, Mapping) else None
     if not isinstance(layout, Mapping) or layout.get("format") != FORMAT:
