@@ -16,6 +16,8 @@ step number the strategy's ledger uses (0 for the first optimizer step):
     zero/busy_time_max_s, zero/busy_time_min_s, zero/busy_time_max_over_min
     zero/loss_scale, zero/skipped_steps                        fp16 loss scaling: the scale after
                                                               the step, steps skipped so far
+                                                              (skipped_steps also with the
+                                                              nonfinite_grads="skip" guard)
 
 At the end of fit rank 0 prints the measured traffic and memory next to what
 :mod:`lightning_zero.planning` predicts for the same Ψ, N, stage, dtypes and optimizer. With a
@@ -265,10 +267,12 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
 
 
 def loss_scale_metrics(trainer: pl.Trainer) -> dict[str, float]:
-    """The loss scaler's scale and skipped steps (none without a :class:`ZeroGradScaler`)."""
+    """The loss scaler's scale and skipped steps, or the non-finite guard's skipped steps (none
+    without either)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if not isinstance(scaler, ZeroGradScaler) or not scaler.is_enabled():
-        return {}
+        guard = getattr(trainer.strategy, "nonfinite_guard", None)
+        return {} if guard is None else {PREFIX + "skipped_steps": float(guard.skipped_steps)}
     return {PREFIX + "loss_scale": scaler.get_scale(), PREFIX + "skipped_steps": float(scaler.skipped_steps)}
 
 

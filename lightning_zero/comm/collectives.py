@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lightning_zero.comm.faults import (
     FaultBoard,
+    Liveness,
     PeerFailure,
     RankInfo,
     StoreUnreachable,
@@ -149,7 +150,7 @@ class Communicator:
         self.published = False  # this rank wrote its failure to the board (faults.publish)
         self.stop_reason: str | None = None  # set by the watchdog: the ranks are out of step for good
         self.on_poll: Callable[[], None] | None = None  # the watchdog's check, between two wait slices
-        self._beats_seen: tuple[float, list[int]] | None = None  # (when, heartbeats) during this wait
+        self.liveness: Liveness | None = None  # dead peers, while this rank waits (watch_faults)
         self._blocking_waits = is_distributed() and dist.get_backend(group) != "nccl"  # gloo, mpi, ...
         if is_distributed():
             _destroy_at_exit()
@@ -168,6 +169,12 @@ class Communicator:
         board = FaultBoard.open(store, self.rank, self.world_size)
         self.ranks = self.all_gather_object(this_process(self.rank), name="faults/ranks")  # all opened
         self.board = board
+        self.liveness = self.new_liveness()
+
+    def new_liveness(self) -> Liveness:
+        """A watch on dead peers: heartbeats still for max(3 x fault_wait_s, 10 s) mean gone."""
+        stall_s = max(STALL_FACTOR * self.fault_wait_s, MIN_STALL_S)
+        return Liveness(self.board, self.ranks, self.rank, stall_s)
 
     def mark_failed(self, error: BaseException) -> None:
         """This rank fails: no collective after this; the process leaves without destroying the group."""
@@ -218,7 +225,8 @@ class Communicator:
 
     def wait_for(self, work: Any, issued: Issued | None) -> None:
         """Block until ``work`` completes; a failure is raised with the failing rank's message."""
-        self._beats_seen = None
+        if self.liveness is not None:
+            self.liveness.reset()
         with self.tracker.blocked_in(issued):
             try:
                 if self._blocking_waits:
@@ -258,32 +266,13 @@ class Communicator:
             )
             if faults:
                 self.board.note(self.rank, where)  # read: the failing rank may leave now
-            lost, silent_s = self._lost_peers()
+            lost, silent_s = self.liveness.lost() if self.liveness is not None else ([], None)
         except StoreUnreachable as err:
             raise PeerFailure(store_lost_message(self.ranks, self.rank, where, err)) from err
         if faults:
             raise PeerFailure(fault_message(faults, self.rank, where, None), faults)
         if lost:
             raise PeerFailure(lost_message(lost, self.rank, where, None, silent_s=silent_s), lost=lost)
-
-    def _lost_peers(self) -> tuple[list[RankInfo], float | None]:
-        """Peers that are dead for sure (a pid on this host that is gone), or whose heartbeat has not
-        moved for ``STALL_S`` while this rank waited; and how long that was (None: the pid check)."""
-        gone = [i for i in self.ranks if i.rank != self.rank and process_exists(i) is False]
-        if gone:
-            return gone, None
-        now = time.monotonic()
-        if self._beats_seen is None:
-            self._beats_seen = (now, self.board.beats())
-            return [], None
-        since, before = self._beats_seen
-        stall_s = max(STALL_FACTOR * self.fault_wait_s, MIN_STALL_S)
-        if now - since < stall_s:
-            return [], None
-        beats = self.board.beats()
-        self._beats_seen = (now, beats)
-        stalled = [self.ranks[r] for r, (a, b) in enumerate(zip(before, beats)) if a == b and r != self.rank]
-        return stalled, now - since
 
     def explain(self, err: BaseException, issued: Issued | None) -> PeerFailure | None:
         """Why ``err`` ended this rank's collective, read from the fault board; None when the board

@@ -220,6 +220,40 @@ def _issued_json(issued: Issued | None) -> list | None:
     return list(issued) if issued is not None else None
 
 
+class Liveness:
+    """Which peers are gone: a pid on this host that no longer runs (at once), or a heartbeat that
+    has stood still for ``stall_s`` seconds since the first look (see [Note: failures travel
+    through the store]). Call :meth:`reset` when the wait it watches ends.
+    """
+
+    def __init__(self, board: FaultBoard, ranks: Sequence[RankInfo], me: int, stall_s: float) -> None:
+        self.board = board
+        self.ranks = list(ranks)  # every rank's host and pid
+        self.me = me
+        self.stall_s = stall_s
+        self._seen: tuple[float, list[int]] | None = None  # (when, heartbeats) at the first look
+
+    def reset(self) -> None:
+        self._seen = None
+
+    def lost(self) -> tuple[list[RankInfo], float | None]:
+        """The lost peers, and how long their heartbeat stood still (None: found by their pid)."""
+        gone = [i for i in self.ranks if i.rank != self.me and process_exists(i) is False]
+        if gone:
+            return gone, None
+        now = time.monotonic()
+        if self._seen is None:
+            self._seen = (now, self.board.beats())
+            return [], None
+        since, before = self._seen
+        if now - since < self.stall_s:
+            return [], None
+        beats = self.board.beats()
+        self._seen = (now, beats)
+        still = [self.ranks[r] for r, (a, b) in enumerate(zip(before, beats)) if a == b and r != self.me]
+        return still, now - since
+
+
 # --------------------------------------------------------------------------- messages
 
 

@@ -16,10 +16,14 @@ every stuck rank (again at twice the time while it stays stuck), e.g.
       rank 1 (node2) waits in reduce_scatter #56 zero3/reduce_scatter/unit=blocks.2 (2.4 MiB) for 12 s
 
 When every rank waits, but not in the same collective, no rank can ever leave: the run stops
-(``CollectivesStopped`` with the report, raised by the waiting thread on gloo). When a peer has
-published an error and this rank is still stuck ``fault_wait_s`` later (an NCCL rank blocked in
-a device sync, which no Python code can interrupt), the watchdog prints the peer's message and
-ends the process (status 1). Cost when nothing is stuck: one read of the store per tick.
+(``CollectivesStopped`` with the report, raised by the waiting thread on gloo). Cost when nothing
+is stuck: one read of the store per tick.
+
+Whatever ``watchdog_s``: when a peer has published an error, or is gone (its pid on this host, or
+its heartbeat still), and this rank is still blocked ``fault_wait_s`` later in a wait no Python
+code can interrupt (inside a DCP save or load, in Lightning's own collectives, in a device sync
+on NCCL), the thread prints the reason and ends the process (status 1). In this package's own
+waits on gloo the waiting thread raises first, with the same message.
 
 Without ``watchdog_s`` the same thread only beats: once a second it increments this rank's
 heartbeat in the store, which a rank blocked in a collective reads to tell a dead peer on another
@@ -35,7 +39,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from lightning_zero.comm.faults import StoreUnreachable, fault_message, leave_without_destroying
+from lightning_zero.comm.faults import StoreUnreachable, fault_message, leave_without_destroying, lost_message
 from lightning_zero.comm.tracker import RankState
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class Watchdog:
         self._next_report_s = after_s or 0.0  # stuck this long: report (again); doubles after each report
         self._answered = 0  # the last report request this rank answered
         self._fault_seen_at: float | None = None  # when a peer's fault was first seen while stuck
+        self._liveness = comm.new_liveness() if comm.board is not None else None  # dead peers, its own watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_zero-watchdog", daemon=True)
 
@@ -112,22 +117,24 @@ class Watchdog:
     def check(self) -> None:
         """One tick: answer report requests; report this rank if it is stuck; act on a peer's fault."""
         board, tracker = self.comm.board, self.comm.tracker
-        if board is None:
+        if board is None or self._liveness is None:
             return
         board.beat()
-        if self.after_s is None:
-            return
-        self._answer(board)
+        if self.after_s is not None:
+            self._answer(board)
         stuck, stuck_s = tracker.stuck_in()
         if stuck is None:
             self._fault_seen_at = None
+            self._liveness.reset()
             return
         if stuck.seq != self._stuck:
             self._stuck, self._next_report_s = stuck.seq, self.after_s
-        if stuck_s >= self._next_report_s:
+            self._liveness.reset()
+        if self.after_s is not None and stuck_s >= self._next_report_s:
             self._next_report_s = 2 * stuck_s  # again at twice the time, while it lasts
             self._report(board, stuck_s)
-        self._end_if_peer_failed(board, stuck)
+        if stuck_s >= self.comm.fault_wait_s:
+            self._end_if_peer_failed(board, stuck)
 
     def _answer(self, board: Any) -> None:
         requests = board.report_requests()
@@ -155,11 +162,19 @@ class Watchdog:
             self.comm.stop_reason = report.text  # the waiting thread raises it (gloo)
 
     def _end_if_peer_failed(self, board: Any, stuck: Any) -> None:
-        """A peer failed and this rank is still stuck ``fault_wait_s`` later: nothing will wake it."""
+        """A peer failed or is gone, and this rank is still stuck ``fault_wait_s`` later, in a wait
+        that no Python code can interrupt (inside DCP, a device sync on NCCL): nothing will wake it."""
         reason = self.comm.stop_reason
         if reason is None and board.fault_count() > 0:
             faults = [f for f in board.faults() if f.rank != self.comm.rank]
             reason = fault_message(faults, self.comm.rank, stuck.describe(), None) if faults else None
+        if reason is None:
+            lost, silent_s = self._liveness.lost()
+            reason = (
+                lost_message(lost, self.comm.rank, stuck.describe(), None, silent_s=silent_s)
+                if lost
+                else None
+            )
         if reason is None:
             return
         now = time.monotonic()

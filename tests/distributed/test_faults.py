@@ -66,6 +66,7 @@ def _killed(rank: int, world_size: int) -> str:
     return "completed"
 
 
+@pytest.mark.slow  # the default suite kills a rank of a Trainer run (tests/integration/test_failures.py)
 def test_a_killed_rank_is_named_with_its_host_and_the_collective_its_peer_was_in(tmp_path):
     rank0, rank1 = run_ranks(_killed, 2, tmp_path, timeout=90)
     assert rank1.exitcode == -signal.SIGKILL and rank1.seconds is None
