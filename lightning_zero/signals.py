@@ -15,9 +15,10 @@ configured), ask SLURM to requeue the job when SLURM sent its requeue signal (SI
 ``SLURMEnvironment.requeue_signal``), print why, and leave fit with status 128 + the signal's
 number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT) through :class:`~lightning_zero.faults.AgreedStop`.
 
-A second signal changes nothing (a save under way completes; SLURM's SIGKILL comes after its
-grace time anyway), except a second SIGINT, which raises KeyboardInterrupt at once for an
-impatient user (the fault board tells the other ranks). A SIGUSR1 handler installed by someone else
+A second SIGTERM or SIGINT during a save changes nothing (the save completes; SLURM's SIGKILL
+comes after its grace time anyway); outside a save it raises KeyboardInterrupt at once (a rank
+that never reaches a step boundary, say stuck or in a long validation, can still be ended, and
+the fault board tells the other ranks why). A second SIGUSR1 changes nothing. A SIGUSR1 handler installed by someone else
 (``examples.slurm.callbacks.RequeueOnSignal``) is left in place. Outside fit (validate, test,
 predict) a signal makes Lightning's evaluation loop stop on that rank at its next batch.
 
@@ -33,6 +34,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Generator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -65,6 +68,7 @@ class StopSignals(_SignalConnector):
     def __init__(self, trainer: pl.Trainer) -> None:
         super().__init__(trainer)
         self.received: list[int] = []  # signal numbers, in arrival order
+        self.saving = 0  # > 0 while a checkpoint is written: a second signal waits for it
 
     def register_signal_handlers(self) -> None:
         self.received_sigterm = False
@@ -82,8 +86,13 @@ class StopSignals(_SignalConnector):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         repeated = signum in self.received
         self.received.append(signum)
-        if signum == signal.SIGINT and repeated:
-            raise KeyboardInterrupt  # Ctrl-C twice: leave now
+        if repeated and signum != signal.SIGUSR1 and not self.saving:
+            # asked twice, and not inside a save (which completes): leave now, the peers are told why
+            reason = f"{signal.Signals(signum).name} received twice: leaving at once, without a checkpoint"
+            os.write(
+                2, f"lightning_zero: rank {self.trainer.global_rank}: {reason}\n".encode()
+            )  # no buffered IO here
+            raise KeyboardInterrupt(reason)
         if self.trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict: Lightning's loops stop
             self.received_sigterm = True
 
@@ -129,6 +138,17 @@ class StepBoundary:
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
         if not any(isinstance(c, _StopAtStepEnd) for c in trainer.callbacks):
             trainer.callbacks.append(_StopAtStepEnd(self))
+
+    @contextmanager
+    def saving(self) -> Generator[None, None, None]:
+        """Around a checkpoint save: a second signal lets it complete."""
+        if self.connector is not None:
+            self.connector.saving += 1
+        try:
+            yield
+        finally:
+            if self.connector is not None:
+                self.connector.saving -= 1
 
     def uninstall(self) -> None:
         if self.trainer is not None:

@@ -304,6 +304,15 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         """Rank 0 writes one file (``"full"``), or every rank its shards into a directory (``"sharded"``);
         under the final name only once complete. All ranks call it."""
+        if self._boundary is not None:
+            with self._boundary.saving():  # a second signal lets the save complete (signals.py)
+                self._save_checkpoint(checkpoint, filepath, storage_options)
+        else:
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
+    ) -> None:
         path = self._shared_path(filepath)
         keep = self._config.keep_previous_checkpoint
         if self._config.state_dict_type == "full":

@@ -13,7 +13,11 @@ and a wait that can end for a reason other than the collective completing. On gl
 whose ``wait`` blocks the host) ``Handle.wait`` waits in slices of ``POLL_S`` seconds and, between
 two slices, reads the fault board: a peer that published an error ([Note: failures travel through
 the store] in ``faults.py``) ends the wait at once with that peer's message, as does a desync the
-watchdog found (``watchdog.py``). On NCCL ``wait`` does not block the host (the stream waits), so
+watchdog found (``watchdog.py``), or a peer found dead (its pid on this host, its heartbeat). Two
+quirks of gloo shape the loop: a failed work does not report ``is_completed()`` (the slice's own
+"Operation timed out!" tells a running collective from a failed one), and the reduce-scatter's
+``wait`` ignores its timeout, so that one waits in a daemon thread (``_Waiter``) while the caller
+waits in slices on an event. On NCCL ``wait`` does not block the host (the stream waits), so
 the board is read by the watchdog thread instead. A collective that fails is explained from the
 board: :class:`PeerFailure` with the failing rank's message, or the ranks that left without one.
 
@@ -30,6 +34,8 @@ import atexit
 import functools
 import logging
 import pickle
+import queue
+import threading
 import time
 import warnings
 from collections.abc import Callable, Generator, Sequence
@@ -61,10 +67,52 @@ from lightning_zero.comm.tracker import CollectiveTracker, Issued
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 POLL_S = 1.0  # slice of a host-blocking wait between two reads of the fault board
+SLICE_TIMEOUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice runs out
 STALL_FACTOR, MIN_STALL_S = 3, 10.0  # a heartbeat still for max(3 x fault_wait_s, 10 s): a lost rank
 _FAILED: dict[str, Any] = {"group": None, "comm": None}  # the group and Communicator this process failed in
 
 log = logging.getLogger(__name__)
+
+
+class _Waiting:
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: Any) -> None:
+        self.work = work  # a torch Work
+        self.done = threading.Event()  # set once work.wait() returned or raised
+        self.error: BaseException | None = None  # what it raised
+
+
+class _Waiter:
+    """One daemon thread that blocks in ``Work.wait()`` for the works whose timed wait is ignored
+    (gloo's reduce-scatter: its work neither times out nor reports a failure through
+    ``is_completed``), so that the caller can wait in slices (see [Note: waiting without hanging])."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Waiting] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> _Waiting:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lightning_zero-waiter", daemon=True)
+            self._thread.start()
+        waiting = _Waiting(work)
+        self._queue.put(waiting)
+        return waiting
+
+    def _run(self) -> None:
+        while True:
+            waiting = self._queue.get()
+            try:
+                waiting.work.wait()
+            except BaseException as err:  # handed to the caller
+                waiting.error = err
+            finally:
+                waiting.done.set()
+
+
+_WAITER = _Waiter()
+_UNTIMED_OPS = ("reduce_scatter",)  # gloo ops whose Work.wait(timeout) blocks past the timeout
 
 
 class CollectivesStopped(RuntimeError):
@@ -184,9 +232,10 @@ class Communicator:
             _FAILED["group"], _FAILED["comm"] = dist.group.WORLD, self
 
     def linger_for_peers(self) -> None:
-        """Rank 0 hosts the store: before it leaves, give the other ranks ``fault_wait_s`` (and a
-        poll slice) to read the board, until each has noted itself or published a fault."""
-        if self.board is None or self.rank != 0 or not self.published:
+        """Rank 0 hosts the store: before it leaves after a failure, give the other ranks
+        ``fault_wait_s`` (and two poll slices) to read the board, until each has noted itself or
+        published a fault (a rank known dead is not waited for)."""
+        if self.board is None or self.rank != 0:
             return
         deadline = time.monotonic() + self.fault_wait_s + 2 * POLL_S
         others = {i.rank for i in self.ranks[1:] if process_exists(i) is not False}
@@ -235,6 +284,7 @@ class Communicator:
                     work.wait()
             except (PeerFailure, CollectivesStopped) as err:
                 self.mark_failed(err)
+                self._note(issued)
                 raise
             except Exception as err:
                 explained = self.explain(err, issued)
@@ -243,14 +293,28 @@ class Communicator:
                 raise explained from err
 
     def _wait_in_slices(self, work: Any, issued: Issued | None) -> None:
+        if issued is not None and issued.op in _UNTIMED_OPS and not work.is_completed():
+            self._wait_in_background(work, issued)
+            return
         while True:
             try:
                 work.wait(timedelta(seconds=POLL_S))
                 return
-            except RuntimeError:
-                if work.is_completed():
-                    raise  # it failed: explained by the caller
-            self._between_slices(issued)  # the slice ran out: the collective is still running
+            except RuntimeError as err:
+                # the slice ran out: "Operation timed out!" on a work still running; anything else
+                # is the collective's failure (a failed gloo work does not report is_completed)
+                if work.is_completed() or SLICE_TIMEOUT not in str(err):
+                    raise  # explained by the caller
+            self._between_slices(issued)  # the collective is still running
+
+    def _wait_in_background(self, work: Any, issued: Issued | None) -> None:
+        """A work whose ``wait`` ignores its timeout waits in the waiter thread; this one reads the
+        board between slices (a collective that never ends leaves that thread blocked: failure)."""
+        waiting = _WAITER.submit(work)
+        while not waiting.done.wait(POLL_S):
+            self._between_slices(issued)
+        if waiting.error is not None:
+            raise waiting.error
 
     def _between_slices(self, issued: Issued | None) -> None:
         if self.on_poll is not None:
@@ -261,18 +325,28 @@ class Communicator:
             return
         where = issued.describe() if issued is not None else "a collective"
         try:
-            faults = (
-                [f for f in self.board.faults() if f.rank != self.rank] if self.board.fault_count() else []
-            )
-            if faults:
+            published = self.board.fault_count() > 0
+            faults = [f for f in self.board.faults() if f.rank != self.rank] if published else []
+            stop = self.board.stop_reason() if published else None
+            if faults or stop:
                 self.board.note(self.rank, where)  # read: the failing rank may leave now
             lost, silent_s = self.liveness.lost() if self.liveness is not None else ([], None)
         except StoreUnreachable as err:
             raise PeerFailure(store_lost_message(self.ranks, self.rank, where, err)) from err
+        if stop:
+            raise CollectivesStopped(stop)
         if faults:
             raise PeerFailure(fault_message(faults, self.rank, where, None), faults)
         if lost:
             raise PeerFailure(lost_message(lost, self.rank, where, None, silent_s=silent_s), lost=lost)
+
+    def _note(self, issued: Issued | None) -> None:
+        """Tell rank 0 (the store's host, lingering after a failure) that this rank has read the board."""
+        if self.board is not None:
+            try:
+                self.board.note(self.rank, issued.describe() if issued is not None else "a collective")
+            except StoreUnreachable:
+                pass
 
     def explain(self, err: BaseException, issued: Issued | None) -> PeerFailure | None:
         """Why ``err`` ended this rank's collective, read from the fault board; None when the board
@@ -283,6 +357,9 @@ class Communicator:
         where = issued.describe() if issued is not None else "a collective"
         try:
             self.board.note(self.rank, where)
+            gone = [i for i in self.ranks if i.rank != self.rank and process_exists(i) is False]
+            if gone and not self.board.fault_count():  # dead for sure, and said nothing: no need to wait
+                return PeerFailure(lost_message(gone, self.rank, where, err), lost=gone)
             faults, silent = self.board.wait_for_cause(self.fault_wait_s)
         except StoreUnreachable:
             return PeerFailure(store_lost_message(self.ranks, self.rank, where, err))

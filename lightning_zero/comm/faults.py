@@ -152,6 +152,14 @@ class FaultBoard:
         found = [Fault(*self._get(f"fault/{r}")) for r in range(self.world_size) if self._has(f"fault/{r}")]
         return sorted(found, key=lambda f: f.time)
 
+    def publish_stop(self, reason: str) -> None:
+        """Every rank must stop for ``reason`` (a desync the watchdog found): counted as a fault."""
+        self._set("stop", reason)
+        self._count("faults", 1)
+
+    def stop_reason(self) -> str | None:
+        return self._get("stop") if self._has("stop") else None
+
     def note(self, rank: int, where: str) -> None:
         """A rank whose collective failed says it is alive, and where it was."""
         self._set(f"note/{rank}", where)

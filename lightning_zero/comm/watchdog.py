@@ -160,6 +160,7 @@ class Watchdog:
         print(report.text, file=sys.stderr, flush=True)
         if report.desync:
             self.comm.stop_reason = report.text  # the waiting thread raises it (gloo)
+            board.publish_stop(report.text)  # and every other rank, with the same report
 
     def _end_if_peer_failed(self, board: Any, stuck: Any) -> None:
         """A peer failed or is gone, and this rank is still stuck ``fault_wait_s`` later, in a wait

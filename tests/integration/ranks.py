@@ -98,3 +98,20 @@ def finish(ranks: Ranks, *, timeout: float) -> list[RankRun]:
             proc.wait()
         runs.append(RankRun(rank, code, ranks.output(rank), ended.get(rank, timeout)))
     return runs
+
+
+def exit_times(ranks: Ranks, *, timeout: float = 300) -> list[float]:
+    """Seconds from start until each rank exited (polled; for measurements); killed at ``timeout``."""
+    ended: dict[int, float] = {}
+    deadline = ranks.started + timeout
+    while len(ended) < len(ranks.procs) and time.monotonic() < deadline:
+        for rank, proc in enumerate(ranks.procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = time.monotonic() - ranks.started
+        time.sleep(0.02)
+    for rank, proc in enumerate(ranks.procs):
+        if rank not in ended:
+            proc.kill()
+            proc.wait()
+            ended[rank] = timeout
+    return [ended[r] for r in range(len(ranks.procs))]

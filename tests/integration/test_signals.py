@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 
 from tests.integration.ranks import finish, start
@@ -66,3 +67,21 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_next_step_and_the_run_resum
         f"Restored all states from the checkpoint at {tmp_path / 'run' / 'hpc_ckpt_1.ckpt'}"
         in resumed[0].output
     )
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_outside_a_save_leaves_at_once_and_the_peer_is_told(tmp_path):
+    ranks = start("sigterm-twice", 2, tmp_path, max_steps=40, step_delay_s=0.5, **ONE_BATCH_EPOCHS)
+    assert ranks.wait_for_text(1, "rank 1 step 2", timeout=120), ranks.output(1)[-3000:]
+    ranks.procs[1].send_signal(signal.SIGTERM)
+    ranks.procs[1].send_signal(signal.SIGTERM)  # within the same step: no boundary reached yet
+    rank0, rank1 = finish(ranks, timeout=120)
+    assert (
+        rank1.returncode == 1
+        and "SIGTERM received twice: leaving at once, without a checkpoint" in rank1.output
+    )
+    assert rank0.returncode == 1, rank0.output[-3000:]
+    assert (
+        "PeerFailure: rank 1" in rank0.output and "KeyboardInterrupt: SIGTERM received twice" in rank0.output
+    )
+    assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()
