@@ -183,7 +183,9 @@ class StepBoundary:
             return
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         trainer.save_checkpoint(path)  # every rank, at the same step
-        requeued = self._requeue(trainer, path)
+        # rank 0's outcome on every rank: nobody leaves before the job is requeued (srun's
+        # --kill-on-bad-exit would end rank 0 in the middle of `scontrol requeue`)
+        requeued = trainer.strategy.broadcast(self._requeue(trainer, path), src=0)
         first = next(s for names in self.stop.signals.values() for s in names)
         message = (
             f"lightning_zero: rank {trainer.global_rank} stops: {describe_signals(self.stop.signals)} "
@@ -201,7 +203,7 @@ class StepBoundary:
         if not any(wanted in names for names in self.stop.signals.values()):
             return f"; not requeued ({wanted} is SLURM's requeue signal, the job's end is SLURM's to decide)"
         if not trainer.is_global_zero:
-            return "; rank 0 requeues the job"
+            return ""  # rank 0's outcome is broadcast
         return requeue_slurm_job(path)
 
 
