@@ -7,7 +7,7 @@
 
 Config groups live in configs/: model/ (the GPT shape and AdamW), data/ (the bundled corpus),
 trainer/ (lightning.Trainer arguments and how processes are launched), strategy/ (ZeroConfig
-fields, checked against the registered ``strategy/zero_schema``). Each run writes its config and
+fields, checked against the registered ``schema/strategy``). Each run writes its config and
 logs under outputs/ (multirun: multirun/). The validation loss is printed at step 0 (the sanity
 check), at every validation and at the end.
 """
@@ -28,7 +28,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
@@ -37,19 +39,24 @@ from lightning_zero.callbacks import ProfileSteps, ZeroMonitor  # noqa: E402
 from lightning_zero.config import register_hydra_schema  # noqa: E402
 from lightning_zero.planning import register_resolvers  # noqa: E402
 
-# Before @hydra.main composes anything: configs/strategy/*.yaml extend `zero_schema`.
+# Before @hydra.main composes anything: configs/strategy/*.yaml extend `schema/strategy`.
 register_hydra_schema()
 register_resolvers()  # ${zero_grad_acc:global_batch,micro_batch,devices[,num_nodes]} in configs
 
 
 class ValLossReport(L.Callback):
-    """Prints the synchronised validation loss on rank 0 after every validation."""
+    """Prints the synchronised validation loss on rank 0 after every validation, one line each.
+
+    The lines are for logs, where a progress bar is only carriage returns; ``tqdm.write`` puts them
+    above Lightning's progress bar on a terminal instead of inside it (and is a plain print without one).
+    """
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val_loss")
         if loss is not None and trainer.is_global_zero:
             label = "sanity check" if trainer.sanity_checking else "validation"
-            print(f"step {trainer.global_step:>6}  val_loss {float(loss):.4f}  ({label})", flush=True)
+            tqdm.write(f"step {trainer.global_step:>6}  val_loss {float(loss):.4f}  ({label})")
+            sys.stdout.flush()
 
 
 class ValidateAtLastStep(L.Callback):
@@ -114,6 +121,8 @@ def main(cfg: DictConfig) -> float:
     if cfg.profile_steps > 0:  # torch.profiler trace of a few steps, one JSON per rank (README: Profiling)
         callbacks.append(ProfileSteps(HydraConfig.get().runtime.output_dir, steps=cfg.profile_steps))
     callbacks.extend(instantiate(spec) for spec in cfg.callbacks.values())  # +callbacks.NAME._target_=...
+    if trainer_cfg.get("enable_checkpointing"):  # docs/checkpoints.md
+        callbacks.append(ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True)))
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **trainer_cfg)
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.callback_metrics["val_loss"])

@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -469,8 +470,8 @@ def _print_sections(inp: PlanInputs, sections: list[Section], plots: list[Path])
         console.print(header, highlight=False)
         for section in sections:
             console.print(_rich_table(section))
-            for note in section.notes:
-                console.print(f"  {note}", highlight=False, markup=False)
+            for line in _note_lines(section):
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
     for path in plots:
         print(f"wrote {path}")
 
@@ -491,8 +492,17 @@ def _print_plain(section: Section) -> None:
     print(f"\n{section.title}")
     for row in (section.headers, *section.rows):
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-    for note in section.notes:
-        print(f"  {note}")
+    for line in _note_lines(section):
+        print(line)
+
+
+def _note_lines(section: Section) -> list[str]:
+    """The notes under a table, wrapped at 110 columns whatever the terminal (continuations indented)."""
+    return [
+        line
+        for note in section.notes
+        for line in textwrap.wrap(note, width=110, initial_indent="  ", subsequent_indent="    ")
+    ]
 
 
 # --------------------------------------------------------------------------- plan: plots

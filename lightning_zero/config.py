@@ -1,6 +1,6 @@
 """ZeroConfig: every option of the strategy, validated where it enters.
 
-The same dataclass is registered in Hydra's ConfigStore (``strategy/zero_schema``), so a typo in a
+The same dataclass is registered in Hydra's ConfigStore (``schema/strategy``), so a typo in a
 command-line override (``strategy.bucket_cap_mbb=1``) is an error instead of a silently ignored key.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_STAGES = (0, 1, 2, 3)  # stages this build implements
@@ -58,6 +58,13 @@ class ZeroConfig:
         reduce_dtype: dtype of gradients on the wire and of their accumulation across
             micro-batches; None: param_dtype. "fp32" under bf16/fp16 parameters sums in fp32
             (twice the bytes on the wire; stages 0-1 hold fp32 gradient buckets).
+        max_reduce_buffers: stages 2-3: how many full-size gradient buffers (reduce-scatter inputs)
+            may be alive at once in backward; before another reduce-scatter starts, the oldest is
+            waited and its buffer freed. Small keeps the gradient memory of backward at a few
+            buckets or units instead of the whole model; larger lets more communication overlap.
+        elementwise_optimizers: stages 1-3: optimizer classes (import paths) to treat as
+            elementwise besides SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop and
+            Adadelta; the sharded stages refuse any other optimizer at setup.
         state_dict_type: how checkpoints are written. ``"full"``: rank 0 writes one file with the
             full model and optimizer state under the original parameter names. ``"sharded"``:
             every rank writes only its own shards, in parallel, into a directory in the
@@ -101,6 +108,8 @@ class ZeroConfig:
     param_dtype: str | None = None  # "bf16" | "fp16" | "fp32" | None: follow Lightning's precision flag
     reduce_dtype: str | None = None  # gradients on the wire; None: param_dtype
     state_dict_type: str = "full"  # checkpoints: "full" (one file, rank 0) or "sharded" (a directory)
+    max_reduce_buffers: int = 2  # stages 2-3: full-size gradient buffers in flight at most
+    elementwise_optimizers: list[Any] = field(default_factory=list)  # extra optimizers safe to shard
     ledger_records: int = 4_096  # collectives the ledger keeps in detail (bounded memory)
     handle_signals: bool = True  # SIGTERM/SIGUSR1/SIGINT: save and stop at the next step boundary
     nonfinite_grads: str = "off"  # NaN/inf loss or gradients on any rank: "off" | "skip" | "stop"
@@ -125,6 +134,10 @@ class ZeroConfig:
             raise ValueError(
                 f"state_dict_type must be one of {list(STATE_DICT_TYPES)}, got {self.state_dict_type!r}"
             )
+        _check_int("max_reduce_buffers", self.max_reduce_buffers)
+        if self.max_reduce_buffers < 1:
+            raise ValueError(f"max_reduce_buffers must be >= 1, got {self.max_reduce_buffers}")
+        self._check_classes()
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in ("bf16", "fp16", "fp32"):
@@ -145,6 +158,17 @@ class ZeroConfig:
             raise ValueError(f"wrap_policy and min_num_params apply to stage 3 only, got stage={self.stage}")
         if self.wrap_policy is not None and self.min_num_params is not None:
             raise ValueError("give either wrap_policy or min_num_params, not both")
+
+    def _check_classes(self) -> None:
+        """Import paths are resolved now, where the value enters, not when the processes start."""
+        if self.wrap_policy is not None:
+            from lightning_zero.zero.wrap import make_policy
+
+            make_policy(self.wrap_policy, self.min_num_params)
+        if self.elementwise_optimizers:
+            from lightning_zero.zero.optimizer import resolve_optimizer_classes
+
+            resolve_optimizer_classes(self.elementwise_optimizers)
 
     def _check_failure_handling(self) -> None:
         _check_int("ledger_records", self.ledger_records)
@@ -209,7 +233,12 @@ def _check_seconds(name: str, value: Any) -> None:
 
 
 def register_hydra_schema() -> None:
-    """Register ZeroConfig as ``strategy/zero_schema`` in Hydra's ConfigStore (idempotent)."""
+    """Register ZeroConfig as ``schema/strategy`` in Hydra's ConfigStore (idempotent).
+
+    A strategy config extends it with ``defaults: [/schema/strategy@_here_, _self_]``. It lives
+    outside the ``strategy`` group so that the group's options are the stages alone: a wrong
+    ``strategy=zero9`` is refused with the list of them.
+    """
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="strategy", name="zero_schema", node=ZeroConfig)
+    ConfigStore.instance().store(group="schema", name="strategy", node=ZeroConfig)

@@ -3,12 +3,18 @@
 The strategy (Lightning glue) calls the same methods whatever the stage; each engine answers
 with its own mechanism: stage 0 a GradReducer that all-reduces buckets, stages 1-2 a reducer that
 reduce-scatters plus ShardedParams, stage 3 ZeroThree's units.
+
+[Note: after fitting]
+``teardown`` ends training (hooks removed, the module whole again) but the engine keeps its flat
+spaces and the optimizers keep their sharded state, so a checkpoint saved after ``fit`` returns
+(``trainer.save_checkpoint``) still holds the whole optimizer state under the original parameters.
+After a failure (``failed=True``) teardown runs no collective: peers may be gone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,8 +35,9 @@ from lightning_zero.zero.flat_param import (
 )
 from lightning_zero.zero.optimizer import (
     ShardedParams,
+    check_shardable,
     check_state_shapes,
-    param_group_keys,
+    resolve_optimizer_classes,
     shard_optimizer_in_place,
 )
 from lightning_zero.zero.sharded_module import ZeroThree
@@ -48,28 +55,33 @@ class Engine:
         self.policy = policy  # mixed precision; None: the module's own dtype, no master copy
         self.label = f"zero{config.stage}"  # prefix of collective names
         self.wrapped: ZeroModule | None = None  # the root wrapper, once set up
+        self.params: list[nn.Parameter] = []  # the module's trainable parameters
         self.masters: dict[int, nn.Parameter] = {}  # stage 0 with a policy: id(param) -> fp32 master
+        self.finished = False  # teardown ran (see [Note: after fitting])
 
     def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
         """Wrap ``module``; ``optimizers`` exist already for the sharded stages and under a policy."""
+        self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
         self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
         if initial:
-            self._use_masters(module, optimizers, initial)
+            self._use_masters(optimizers, initial)
         return self.wrapped
 
-    def _use_masters(self, module: nn.Module, optimizers: Sequence[Optimizer], initial: dict) -> None:
+    def _use_masters(self, optimizers: Sequence[Optimizer], initial: dict) -> None:
         """Stage 0 under a policy: the optimizers step whole fp32 masters (see [Note: mixed precision])."""
-        self.params = [p for _, p in trainable_parameters(module)]  # the bf16 parameters
         self.masters = {id(p): nn.Parameter(initial[id(p)]) for p in self.params}
         for optimizer in optimizers:
             if optimizer.state:
                 raise ValueError(
                     f"{type(optimizer).__name__} already holds state; cannot give it master weights"
                 )
-            for group in optimizer.param_groups:
-                group["params"] = [self.masters[id(p)] for p in group["params"]]
-        self.wrapped.sync.on_reduced = self._grads_to_masters
+            for group in optimizer.param_groups:  # frozen parameters stay as they are: no gradient
+                group["params"] = [self.masters.get(id(p), p) for p in group["params"]]
+        sync = self.wrapped.sync
+        sync.on_reduced = self._grads_to_masters
+        if not sync.attach_views:  # the master gradients are the bucket slots themselves
+            sync.consumed = lambda i: self.masters[id(sync.params[i])].grad is None
 
     def _grads_to_masters(self) -> None:
         for p, grad in self.wrapped.sync.reduced_grads():
@@ -87,6 +99,10 @@ class Engine:
     def no_sync(self) -> Generator[None, None, None]:
         with self.wrapped.sync.no_sync():
             yield
+
+    def gathered(self) -> Any:
+        """Whole parameters inside (stage 3 gathers them; the other stages hold them whole)."""
+        return nullcontext()
 
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         """After the optimizer stepped: masters into the parameters; stages 1-2 all-gather them."""
@@ -108,6 +124,8 @@ class Engine:
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full model under the original names, parameters as the optimizer holds them."""
+        if self.finished:  # teardown gave the module its values back
+            return module.state_dict()
         return state_dict_with(module, self._master_values())
 
     def _master_values(self) -> dict[int, Tensor]:
@@ -117,8 +135,9 @@ class Engine:
     def _restore_masters(self) -> None:
         """Teardown under a policy: the module gets its full-precision values back."""
         values = self._master_values()
-        for p in getattr(self, "params", []):
-            p.data = values[id(p)]
+        for p in self.params:
+            if id(p) in values:
+                p.data = values[id(p)]
 
     def grad_tensors(self) -> list[Tensor]:
         return self.wrapped.sync.grad_tensors() if self.wrapped is not None else []
@@ -127,11 +146,13 @@ class Engine:
         """Parameter storage beyond the module's own parameters (stage 3: shards, gathered units)."""
         return []
 
-    def teardown(self) -> None:
+    def teardown(self, *, failed: bool = False) -> None:
+        """End training (see [Note: after fitting]); safe after a setup that stopped half-way."""
         if self.wrapped is not None:
             self.wrapped.sync.remove_hooks()
-            if self.policy is not None:
+            if self.policy is not None and not (failed and self.sharded):
                 self._restore_masters()
+        self.finished = True
 
     # -- what checkpoints read and write (lightning_zero/checkpoint.py) -------------------------
 
@@ -146,17 +167,24 @@ class Engine:
 
     def group_params(self, optimizer: Optimizer, index: int) -> list[list[nn.Parameter]]:
         """The module's parameters of each param group of ``optimizer``, in the user's order."""
-        param_of = {id(self.masters[id(p)]): p for p in getattr(self, "params", []) if id(p) in self.masters}
+        param_of = {id(self.masters[id(p)]): p for p in self.params if id(p) in self.masters}
         return [[param_of.get(id(q), q) for q in group["params"]] for group in optimizer.param_groups]
 
     def values_loaded(self) -> None:
         """Shards and masters were overwritten (a step, a checkpoint): bring the module's parameters in line."""
-        if not self.masters:
+        if not self.masters or self.finished:
             return
         with torch.no_grad():
             for p in self.params:
                 p.copy_(self.masters[id(p)])
                 p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
+
+
+def _check_optimizers(config: ZeroConfig, optimizers: Sequence[Optimizer]) -> None:
+    """The sharded stages take only elementwise optimizers (see [Note: elementwise optimizers])."""
+    declared = resolve_optimizer_classes(config.elementwise_optimizers)
+    for optimizer in optimizers:
+        check_shardable(optimizer, declared)
 
 
 class ShardedOptimizerEngine(Engine):
@@ -165,12 +193,11 @@ class ShardedOptimizerEngine(Engine):
     sharded = True
 
     def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
-        named = trainable_parameters(module)
-        keys = param_group_keys(optimizers, [p for _, p in named], [n for n, _ in named])
+        _check_optimizers(self.config, optimizers)
+        self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
-        self.wrapped = wrap_module(module, self.comm, self.config, keys=keys, reduce_dtype=self._reduce_dtype)
+        self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
         self.sharded_params = ShardedParams(self.wrapped.sync, self.comm, initial)  # flat buckets, shards
-        self.params = [p for _, p in named]  # the module's trainable parameters
         for index, optimizer in enumerate(optimizers):
             self.sharded_params.shard_optimizer(optimizer, index)
         return self.wrapped
@@ -200,6 +227,8 @@ class ShardedOptimizerEngine(Engine):
 
     def values_loaded(self) -> None:
         """Every bucket's shard into the parameters: this rank's chunk, then an in-place AllGather."""
+        if self.finished:
+            return
         sp = self.sharded_params
         handles = []
         with torch.no_grad():
@@ -220,25 +249,24 @@ class FullyShardedEngine(Engine):
 
     def setup(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> ZeroModule:
         cfg = self.config
-        named = trainable_parameters(module)
-        params = [p for _, p in named]
-        keys = dict(zip(map(id, params), param_group_keys(optimizers, params, [n for n, _ in named])))
+        _check_optimizers(cfg, optimizers)
+        self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
-        self.params = params  # the module's trainable parameters
         self.zero3 = ZeroThree(  # units, hooks and schedule
             module,
             self.comm,
             make_policy(cfg.wrap_policy, cfg.min_num_params),
-            keys,
             prefetch=cfg.prefetch,
             prefetch_limit=cfg.prefetch_limit,
             reshard_after_forward=cfg.reshard_after_forward,
             accumulate_unsharded=cfg.accumulate_unsharded,
+            find_unused_parameters=cfg.find_unused_parameters,
+            max_reduce_buffers=cfg.max_reduce_buffers,
             label=self.label,
             masters=initial,
             reduce_dtype=self._reduce_dtype,
         )
-        spaces = [u.flat for u in self.zero3.units]
+        spaces = self.flat_spaces()
         self.original_groups = {  # optimizer index -> its groups' original parameters
             i: shard_optimizer_in_place(opt, i, spaces) for i, opt in enumerate(optimizers)
         }
@@ -246,35 +274,46 @@ class FullyShardedEngine(Engine):
         self.wrapped = ZeroModule(module, self.zero3, self.comm, broadcast_buffers=cfg.broadcast_buffers)
         return self.wrapped
 
+    def gathered(self) -> Any:
+        return self.zero3.gathered()
+
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         if index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(index)
-        for unit in self.zero3.units:
-            unit.flat.release_grads(index)
+        for space in self.flat_spaces():
+            space.release_grads(index)
         self.zero3.after_step()
 
     def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any]:
-        spaces = [u.flat for u in self.zero3.units]
         return full_optimizer_state(
-            optimizer, index, spaces, self.original_groups[index], self.comm, self.label
+            optimizer, index, self.flat_spaces(), self.original_groups[index], self.comm, self.label
         )
 
     def load_optimizer_state(self, optimizer: Optimizer, index: int, state: dict[str, Any]) -> None:
-        spaces = [u.flat for u in self.zero3.units]
-        load_full_optimizer_state(optimizer, index, spaces, self.original_groups[index], state)
+        load_full_optimizer_state(optimizer, index, self.flat_spaces(), self.original_groups[index], state)
 
     def _master_values(self) -> dict[int, Tensor]:
-        return full_parameters([u.flat for u in self.zero3.units], self.comm, self.label)
+        return full_parameters(self.flat_spaces(), self.comm, self.label)
 
     def param_tensors(self) -> list[Tensor]:
+        if self.finished:
+            return []
         return self.zero3.shard_tensors() + [u.full for u in self.zero3.units if u.gathered]
 
-    def teardown(self) -> None:
-        """Leave a whole module: every parameter gets its full value in storage of its own."""
+    def teardown(self, *, failed: bool = False) -> None:
+        """Leave a whole module: every parameter gets its full value in storage of its own (gathered
+        unit by unit). After a failure nothing is gathered and the module keeps its placeholders."""
+        if not hasattr(self, "zero3"):  # setup stopped before the units existed
+            self.finished = True
+            return
         self.zero3.remove_hooks()
-        self._restore_masters()
-        self.zero3.release()
+        if not failed:
+            values = self._master_values()
+            for p in self.params:
+                p.data = values[id(p)]
+        self.zero3.release(wait=not failed)
+        self.finished = True
 
     def flat_spaces(self) -> list[FlatParameter]:
         return [u.flat for u in self.zero3.units]
@@ -287,7 +326,8 @@ class FullyShardedEngine(Engine):
 
     def values_loaded(self) -> None:
         """The shards the next gathers read follow the loaded (master) shards."""
-        self.zero3.after_step()
+        if not self.finished:
+            self.zero3.after_step()
 
 
 def make_engine(config: ZeroConfig, comm: Communicator, policy: PrecisionPolicy | None = None) -> Engine:

@@ -14,15 +14,14 @@ the store] in ``comm/faults.py``):
   front of the backend's words;
 - an agreed stop (a signal, see ``signals.py``): not a failure, every rank is at the same point.
 
-After a failure :func:`abandon` removes the stage's hooks instead of the stage's teardown, which
-gathers parameters (a collective that the peers, gone or elsewhere, would never join).
+After a failure the strategy tears the stage down with ``failed=True`` (engines.py): hooks removed,
+nothing gathered (a collective that the peers, gone or elsewhere, would never join).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from lightning_zero.comm import Communicator
 from lightning_zero.comm.collectives import CollectivesStopped, looks_like_comm_error
@@ -72,9 +71,3 @@ def publish(comm: Communicator, exception: BaseException, *, step: int | None) -
             log.warning("could not tell the other ranks why rank %d fails: %s", comm.rank, err)
     comm.mark_failed(exception)
 
-
-def abandon(engine: Any) -> None:
-    """After a failure: the stage's hooks off, no collective (the stage's teardown gathers)."""
-    wrapped = getattr(engine, "wrapped", None)
-    if wrapped is not None:
-        wrapped.sync.remove_hooks()

@@ -1,14 +1,17 @@
 """Mixed precision the ZeRO way, and gradient clipping by the global norm over shards.
 
 [Note: mixed precision]
-With a policy (``param_dtype`` bf16), the module's parameters are bf16: forward, backward and
+With a policy (``param_dtype`` bf16), the module's trainable parameters are bf16: forward, backward and
 the gradient collectives run in bf16 (2 bytes per element on the wire). The optimizer never sees
 them: it steps fp32 master copies (stage 0: whole; stages 1-3: this rank's shard), whose
 gradients are the reduced bf16 gradients converted to fp32, and after each step the master
 values are copied back into the bf16 parameters (stages 1-2: into this rank's chunk, then
 all-gathered; stage 3: into the bf16 shard the next gather reads). Checkpoints carry the fp32
 master values under the original parameter names, so a resume continues exactly and a plain fp32
-LightningModule loads them.
+LightningModule loads them. Frozen parameters are left in their own dtype (no compute copy, no
+master): autocast, which every policy runs under (Lightning's mixed flag, or one the strategy
+installs for an explicit ``param_dtype`` over ``"32-true"``), computes with them, and they end the
+run with the values and dtype they started with.
 
 [Note: loss scaling]
 fp16 (``param_dtype="fp16"``, or Lightning's ``precision="16-mixed"``) needs dynamic loss scaling:
@@ -19,7 +22,8 @@ cannot see; if it skipped alone, the ranks' parameters would part for good. :cla
 therefore sums the ranks' found-inf flags (one small AllReduce per optimizer step) before deciding,
 so every rank skips the same steps and keeps the same scale. It replaces the scaler of Lightning's
 mixed-precision plugin (same settings and state); with ``param_dtype="fp16"`` and
-``precision="32-true"`` the strategy installs fp16 autocast with such a scaler itself.
+``precision="32-true"`` the strategy installs fp16 autocast with such a scaler itself
+(:func:`training_precision`).
 
 Clipping:
 Lightning clips through the precision plugin (``clip_gradients`` -> ``clip_grad_by_norm``), which
@@ -115,14 +119,15 @@ def resolve_policy(
 
 
 def cast_parameters(module: nn.Module, policy: PrecisionPolicy | None) -> dict[int, torch.Tensor]:
-    """Cast the floating-point parameters to the policy's dtype; return id -> fp32 values before the cast."""
+    """Cast the trainable floating-point parameters to the policy's dtype; return id -> their values
+    before the cast, in the master dtype. Frozen parameters keep their dtype and values (see
+    [Note: mixed precision])."""
     if policy is None:
         return {}
     masters = {}
     for p in module.parameters():
-        if p.is_floating_point() and p.dtype != policy.param_dtype:
-            if p.requires_grad:
-                masters[id(p)] = p.detach().to(policy.master_dtype, copy=True)
+        if p.requires_grad and p.is_floating_point() and id(p) not in masters:
+            masters[id(p)] = p.detach().to(policy.master_dtype, copy=True)
             p.data = p.data.to(policy.param_dtype)
     return masters
 
@@ -196,21 +201,27 @@ class ZeroGradScaler(torch.amp.GradScaler):
             found[flag.device] = flag
 
 
-def install_loss_scaling(
+def training_precision(
     plugin: Precision, policy: PrecisionPolicy | None, comm: Communicator, label: str, device: str
 ) -> Precision:
-    """The plugin to train with: Lightning's scaler swapped for a :class:`ZeroGradScaler`, or, for
-    ``param_dtype="fp16"`` over ``precision="32-true"``, fp16 autocast with one."""
+    """The plugin to train with: Lightning's scaler swapped for a :class:`ZeroGradScaler`; or, for an
+    explicit ``param_dtype`` over ``precision="32-true"``, autocast in that dtype (fp16 with such a
+    scaler), so that parameters the policy leaves in their own dtype (frozen ones) compute with the
+    rest, as under Lightning's mixed flags."""
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None:
         if not isinstance(scaler, ZeroGradScaler):
             plugin.scaler = ZeroGradScaler.like(scaler, comm, label)
         return plugin
-    if policy is None or policy.param_dtype != torch.float16:
+    if policy is None or isinstance(plugin, MixedPrecision):
         return plugin
     if type(plugin) is not Precision:
-        raise ValueError(
-            f"param_dtype='fp16' needs loss scaling, which the precision plugin {type(plugin).__name__} "
-            "does not do: use precision='16-mixed' or '32-true'"
-        )
-    return MixedPrecision("16-mixed", device, scaler=ZeroGradScaler(comm, device, label=label))
+        if policy.param_dtype == torch.float16:
+            raise ValueError(
+                f"param_dtype='fp16' needs loss scaling, which the precision plugin {type(plugin).__name__} "
+                "does not do: use precision='16-mixed' or '32-true'"
+            )
+        return plugin
+    if policy.param_dtype == torch.float16:
+        return MixedPrecision("16-mixed", device, scaler=ZeroGradScaler(comm, device, label=label))
+    return MixedPrecision("bf16-mixed", device)

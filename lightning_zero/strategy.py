@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -36,10 +36,10 @@ from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.guard import NonFiniteGuard
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import (
-    install_loss_scaling,
     install_sharded_clipping,
     remove_sharded_clipping,
     resolve_policy,
+    training_precision,
 )
 from lightning_zero.signals import StepBoundary
 
@@ -105,6 +105,7 @@ class ZeroStrategy(DDPStrategy):
         self._ledger = CommLedger(max_records=self._config.ledger_records)  # collectives, per step, bounded
         self._comm: Communicator | None = None  # built once the process group exists
         self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
+        self._fitted: Engine | None = None  # the last fit's engine after teardown: its shards' state
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
         self._failed = False  # fit ended in a failure: teardown runs no collective (faults.py)
         self._watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
@@ -131,6 +132,18 @@ class ZeroStrategy(DDPStrategy):
     def engine(self) -> Engine | None:
         """The stage's mechanism (hooks, buckets, shards, units) while fitting."""
         return self._engine
+
+    def gathered(self) -> Any:
+        """Stage 3: every unit's full parameters inside this context; every rank must enter it
+        together. Inside a training step with gradients enabled they stay gathered until the end of
+        the next backward, so a term computed from them (a penalty) reaches them; otherwise they are
+        freed on leaving. The other stages hold whole parameters: it changes nothing there."""
+        return self._engine.gathered() if self._engine is not None else nullcontext()
+
+    @property
+    def _state_engine(self) -> Engine | None:
+        """The engine whose shards hold the optimizer state: the running one, or the last fit's."""
+        return self._engine if self._engine is not None else self._fitted
 
     @property
     def comm(self) -> Communicator:
@@ -160,7 +173,7 @@ class ZeroStrategy(DDPStrategy):
             off = cfg.nonfinite_grads == "off"
             self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
             self._user_precision_plugin = self.precision_plugin
-            self.precision_plugin = install_loss_scaling(
+            self.precision_plugin = training_precision(
                 self.precision_plugin, policy, self.comm, self._engine.label, self.root_device.type
             )
             if self._engine.needs_optimizers_first:  # shards follow the optimizer's param groups
@@ -250,17 +263,19 @@ class ZeroStrategy(DDPStrategy):
         """The checkpoint form of an optimizer's state (a collective in stages 1-3: all ranks call it).
 
         ``state_dict_type="full"``: the original parameters' state, consolidated on rank 0 only
-        (the other ranks get ``{}``); ``"sharded"``: this rank's slices, by parameter name.
+        (the other ranks get ``{}``); ``"sharded"``: this rank's slices, by parameter name. Also
+        after ``fit`` returned (see [Note: after fitting] in engines.py).
         """
-        if self._engine is None and self._config.state_dict_type == "full":
+        engine = self._state_engine
+        if engine is None and self._config.state_dict_type == "full":
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
         inner = self.optimizers[index]
         if self._config.state_dict_type == "sharded":
-            return checkpoints.sharded_optimizer_state(self.lightning_module, self._engine, inner, index)
-        if self._engine.sharded:
-            return checkpoints.gather_optimizer_state(self._engine, inner, index, self.comm)
-        return self._engine.optimizer_state(inner, index)
+            return checkpoints.sharded_optimizer_state(self.lightning_module, engine, inner, index)
+        if engine.sharded:
+            return checkpoints.gather_optimizer_state(engine, inner, index, self.comm)
+        return engine.optimizer_state(inner, index)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -287,7 +302,7 @@ class ZeroStrategy(DDPStrategy):
         with ``state_dict_type="sharded"`` this rank's slices instead (see ``checkpoint.py``)."""
         assert self.lightning_module is not None
         if self._config.state_dict_type == "sharded":
-            return checkpoints.sharded_model_state(self.lightning_module, self._engine)
+            return checkpoints.sharded_model_state(self.lightning_module, self._state_engine)
         if self._engine is None:
             return super().lightning_module_state_dict()
         return self._engine.module_state_dict(self.lightning_module)
@@ -323,7 +338,7 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
         module, stage = self.lightning_module, self._config.stage
-        layout = checkpoints.layout_of(module, self._engine, stage, self.comm.world_size)
+        layout = checkpoints.layout_of(module, self._state_engine, stage, self.comm.world_size)
         checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout, keep_previous=keep)
 
     @override
@@ -412,16 +427,16 @@ class ZeroStrategy(DDPStrategy):
             self._boundary.uninstall()
             self._boundary = None
         if self._engine is not None:
-            if self._failed:
-                faults.abandon(self._engine)  # no collective after a failure
-            else:
-                self._engine.teardown()
+            self._engine.teardown(failed=self._failed)  # no collective after a failure
             if self._engine.sharded:
                 remove_sharded_clipping(self.precision_plugin)
-            self.precision_plugin = self._user_precision_plugin
+            if self._user_precision_plugin is not None:
+                self.precision_plugin = self._user_precision_plugin
+            self._fitted = None if self._failed else self._engine
             self._engine = None
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
+        self._failed = False
         super().teardown()
 
     @classmethod

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Install SLURM and MUNGE from Debian's packages, if they are not there yet.
 #
-#   bash .ci/slurm/install.sh        # idempotent: exits at once when everything is installed
+#   sudo bash .ci/slurm/install.sh   # idempotent: exits at once when everything is installed
 #
-# Installs slurm-wlm (slurmctld + slurmd + slurm-client, with their plugins) and munge.
-# The packages' own init scripts are not used: .ci/slurm/start.sh runs the daemons itself.
-# Exit status 3 means "cannot install here" (no apt-get, not root): callers may skip on it.
+# Installs slurm-wlm (slurmctld + slurmd + slurm-client, with their plugins) and munge; apt-get
+# also creates /etc/munge/munge.key (the clusters of start.sh use keys of their own). The
+# packages' own init scripts are not used: .ci/slurm/start.sh runs the daemons itself.
+# The test suite runs this only with LZ_SLURM=install (CI: .ci/run), never by default.
+# Exit status 3 means "cannot install here" (no apt-get, not root).
 set -euo pipefail
 
-NEEDED=(slurmctld slurmd sbatch srun scontrol munged)
+NEEDED=(slurmctld slurmd sbatch srun scontrol munged mungekey)
 
 missing() {
     local tool

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Start a two-node SLURM cluster on this host: munged, slurmctld, and slurmd for nodes n1 and n2.
+# Start a two-node SLURM cluster on this host: its own munged, slurmctld, and slurmd for nodes n1, n2.
 #
-#   bash .ci/slurm/start.sh                  # then: export SLURM_CONF=/tmp/lightning_zero_slurm/etc/slurm.conf
-#   bash .ci/slurm/stop.sh                   # tears it all down again
+#   sudo bash .ci/slurm/start.sh             # then: export SLURM_CONF=/tmp/lightning_zero_slurm/etc/slurm.conf
+#   sudo bash .ci/slurm/stop.sh              # tears it all down again (same LZ_SLURM_DIR)
 #
-# Needs root (the daemons run as root, munged as user munge) and the packages of install.sh.
+# Needs root (the daemons run as root) and the packages of install.sh. Everything the cluster
+# writes stays in one folder: configuration, MUNGE key and socket, state, pid and log files. No
+# system file is touched (not /etc/munge, not /etc/hosts, not a munged already running), so
+# several clusters can run side by side, each with its own folder and ports.
 # Settings (environment):
-#   LZ_SLURM_DIR         folder for the config, state, pid and log files (default /tmp/lightning_zero_slurm)
-#   LZ_SLURM_CTLD_PORT   slurmctld's port (default 16817)
-#   LZ_SLURM_NODE_PORTS  slurmd ports of n1 and n2 (default 17001-17002)
+#   LZ_SLURM_DIR         the cluster's folder (default /tmp/lightning_zero_slurm)
+#   LZ_SLURM_CTLD_PORT   slurmctld's port (default: a free one)
+#   LZ_SLURM_NODE_PORTS  slurmd ports of n1 and n2, two consecutive ones (default: a free pair, e.g. 41001-41002)
 #   LZ_SLURM_CPUS        CPUs each node advertises (default 2; more than the host has is fine)
+# The node names n1 and n2 do not resolve: jobs need MASTER_ADDR=127.0.0.1 in their environment
+# (Lightning otherwise takes the first node name of SLURM_NODELIST as the rendezvous address).
 # A stale cluster in the same folder is stopped first. If anything fails, everything started so
 # far is stopped again and the exit status is non-zero.
 set -euo pipefail
@@ -18,12 +23,10 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 export PATH="$PATH:/usr/sbin:/sbin"
 DIR="${LZ_SLURM_DIR:-/tmp/lightning_zero_slurm}"
 export LZ_SLURM_DIR="$DIR"  # for stop.sh
-CTLD_PORT="${LZ_SLURM_CTLD_PORT:-16817}"
-NODE_PORTS="${LZ_SLURM_NODE_PORTS:-17001-17002}"
 CPUS="${LZ_SLURM_CPUS:-2}"
 HOST="$(hostname -s)"
 export SLURM_CONF="$DIR/etc/slurm.conf"
-HOSTS_MARK="# lightning_zero emulated slurm nodes"
+MUNGE_SOCKET="$DIR/run/munge.socket"
 
 log() { echo "start.sh: $*" >&2; }
 
@@ -46,54 +49,71 @@ wait_for() {
     done
 }
 
-start_munge() {
-    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-        log "munged is already running; using it"
-        return
-    fi
-    if [[ ! -s /etc/munge/munge.key ]]; then
-        mungekey --create --keyfile=/etc/munge/munge.key
-        chown munge:munge /etc/munge/munge.key
-        chmod 0400 /etc/munge/munge.key
-    fi
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    chmod 0755 /run/munge
-    runuser -u munge -- munged
-    wait_for 10 bash -c 'munge -n | unmunge' || fail "munged did not come up"
-    cp /run/munge/munged.pid "$DIR/run/munged.pid"  # stop.sh stops only a munged this script started
+# Prints "CTLD_PORT FIRST_NODE_PORT": ports nothing listens on now, the node ports consecutive.
+free_ports() {
+    python3 - <<'EOF'
+import socket
+
+def bound(port=0):
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    return s
+
+held = [bound()]  # slurmctld
+while True:
+    first = bound()
+    try:
+        second = bound(first.getsockname()[1] + 1)
+    except OSError:
+        first.close()
+        continue
+    held += [first, second]
+    break
+print(held[0].getsockname()[1], held[1].getsockname()[1])
+for s in held:
+    s.close()
+EOF
 }
 
-add_hosts() {
-    # Lightning takes MASTER_ADDR from the first name in SLURM_NODELIST, so n1 must resolve.
-    if getent hosts n1 >/dev/null && getent hosts n2 >/dev/null; then
-        return
-    fi
-    echo "127.0.0.1 n1 n2 $HOSTS_MARK" >>/etc/hosts
-    touch "$DIR/run/hosts.added"  # stop.sh removes the line only then
+start_munge() {
+    mungekey --create --keyfile="$DIR/etc/munge.key"
+    chmod 0400 "$DIR/etc/munge.key"
+    # The daemons carry LZ_SLURM_CLUSTER in their environment: stop.sh finds them (and theirs) by it.
+    LZ_SLURM_CLUSTER="$DIR" munged --socket="$MUNGE_SOCKET" --key-file="$DIR/etc/munge.key" \
+        --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/run/munged.seed" ||
+        fail "munged did not start"
+    wait_for 10 bash -c "munge --socket='$MUNGE_SOCKET' -n | unmunge --socket='$MUNGE_SOCKET'" ||
+        fail "munged does not answer on $MUNGE_SOCKET"
 }
 
 render_conf() {
+    local first_job_id=$((1000 + RANDOM % 9000))  # Lightning's MASTER_PORT is 15000 + the job id's last 4 digits
     sed -e "s|@DIR@|$DIR|g" -e "s|@HOST@|$HOST|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" \
-        -e "s|@NODE_PORTS@|$NODE_PORTS|g" -e "s|@CPUS@|$CPUS|g" "$HERE/slurm.conf.in" >"$SLURM_CONF"
+        -e "s|@NODE_PORTS@|$NODE_PORTS|g" -e "s|@CPUS@|$CPUS|g" -e "s|@MUNGE_SOCKET@|$MUNGE_SOCKET|g" \
+        -e "s|@FIRST_JOB_ID@|$first_job_id|g" "$HERE/slurm.conf.in" >"$SLURM_CONF"
 }
 
 nodes_idle() {
     [[ "$(sinfo -h -N -o '%N %T' | sort -u | tr '\n' ' ')" == "n1 idle n2 idle " ]]
 }
 
-[[ "$(id -u)" == 0 ]] || { log "needs root (the daemons run as root, munged as user munge)"; exit 3; }
+[[ "$(id -u)" == 0 ]] || { log "needs root (the daemons run as root)"; exit 3; }
 [[ "$DIR" == /?*/?* ]] || { log "LZ_SLURM_DIR must be an absolute path below a folder, got '$DIR'"; exit 2; }
+if [[ -z "${LZ_SLURM_CTLD_PORT:-}" || -z "${LZ_SLURM_NODE_PORTS:-}" ]]; then
+    read -r free_ctld free_node < <(free_ports) || { log "cannot pick free ports (python3 is needed)"; exit 2; }
+fi
+CTLD_PORT="${LZ_SLURM_CTLD_PORT:-$free_ctld}"
+NODE_PORTS="${LZ_SLURM_NODE_PORTS:-$free_node-$((free_node + 1))}"
 bash "$HERE/stop.sh" >/dev/null 2>&1 || true
 rm -rf "$DIR"/{etc,run,log,spool}
 mkdir -p "$DIR"/{etc,run,log,spool/ctld,spool/n1,spool/n2}
+chmod 0755 "$DIR" "$DIR/run"  # munged refuses a socket in a folder not everyone may enter
 render_conf
 start_munge
-add_hosts
-# The daemons carry LZ_SLURM_CLUSTER in their environment: stop.sh finds them (and theirs) by it.
 LZ_SLURM_CLUSTER="$DIR" slurmctld -f "$SLURM_CONF" || fail "slurmctld did not start"
 wait_for 30 scontrol ping || fail "slurmctld does not answer scontrol ping"
 LZ_SLURM_CLUSTER="$DIR" slurmd -f "$SLURM_CONF" -N n1 || fail "slurmd -N n1 did not start"
 LZ_SLURM_CLUSTER="$DIR" slurmd -f "$SLURM_CONF" -N n2 || fail "slurmd -N n2 did not start"
 wait_for 60 nodes_idle || fail "nodes n1, n2 are not idle: $(sinfo -h -N -o '%N %T' | tr '\n' ' ')"
-log "cluster up: $(sinfo -h -o '%P %D %T %N'), SLURM_CONF=$SLURM_CONF"
+log "cluster up: $(sinfo -h -o '%P %D %T %N'), slurmctld port $CTLD_PORT, slurmd ports $NODE_PORTS"
+log "use it with: export SLURM_CONF=$SLURM_CONF MASTER_ADDR=127.0.0.1"

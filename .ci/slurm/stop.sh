@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Tear down the cluster of start.sh: cancel its jobs, stop slurmd n1/n2 and slurmctld, end any
-# job step left behind, stop the munged that start.sh started (not one that was already running)
-# and undo start.sh's /etc/hosts line.
+# job step left behind, and stop the cluster's own munged.
 #
-#   bash .ci/slurm/stop.sh      # same LZ_SLURM_DIR as start.sh; safe to run when nothing is up
+#   sudo bash .ci/slurm/stop.sh   # same LZ_SLURM_DIR as start.sh; safe to run when nothing is up
 #
 # Only this cluster's processes are ended, each by its pid: the daemons (from their pid files, and
 # by the LZ_SLURM_CLUSTER=<folder> that start.sh gives their environment), the job step daemons
 # (slurmstepd with SLURM_CONF=<folder>/etc/slurm.conf), and every descendant of those: the tasks.
+# Other clusters, in other folders, keep running. The folder itself stays (its logs); remove it
+# when done.
 set -uo pipefail
 
 export PATH="$PATH:/usr/sbin:/sbin"
 DIR="${LZ_SLURM_DIR:-/tmp/lightning_zero_slurm}"
 export SLURM_CONF="$DIR/etc/slurm.conf"
-HOSTS_MARK="# lightning_zero emulated slurm nodes"
 
 alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }
 
@@ -77,8 +77,10 @@ if [[ -f "$SLURM_CONF" ]] && scontrol ping >/dev/null 2>&1; then
     done
 fi
 
-# 2. Whatever is left of this cluster, found before anything is ended (tasks lose their parent then).
-mapfile -t leftovers < <(cluster_pids)
+# 2. Whatever is left of this cluster, found before anything is ended (tasks lose their parent then),
+#    except munged (step 3).
+munged_pid="$(pid_of "$DIR/run/munged.pid")"
+mapfile -t leftovers < <(cluster_pids | grep -vxF "${munged_pid:-none}")
 daemons=()
 for f in "$DIR"/run/slurmd-n1.pid "$DIR"/run/slurmd-n2.pid "$DIR"/run/slurmctld.pid; do
     pid="$(pid_of "$f")"
@@ -87,18 +89,6 @@ done
 end_pids TERM "${daemons[@]}"
 end_pids KILL "${leftovers[@]}"
 
-# 3. munged, if start.sh started it.
-munged_pid="$(pid_of "$DIR/run/munged.pid")"
-if alive "$munged_pid"; then
-    end_pids TERM "$munged_pid"
-fi
-rm -f "$DIR/run/munged.pid"
-
-# 4. The node names in /etc/hosts, if start.sh added them for this cluster.
-if [[ -f "$DIR/run/hosts.added" ]] && grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null; then
-    # /etc/hosts may be a bind mount: rewrite it in place rather than replacing the file
-    grep -vF "$HOSTS_MARK" /etc/hosts >"$DIR/hosts.tmp" && cat "$DIR/hosts.tmp" >/etc/hosts
-    rm -f "$DIR/hosts.tmp"
-fi
-rm -f "$DIR/run/hosts.added"
+# 3. The cluster's munged, last: the daemons authenticate with it while they shut down.
+alive "$munged_pid" && end_pids TERM "$munged_pid"
 exit 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.files import (
@@ -19,11 +19,11 @@ from lightning_zero.checkpoint.files import (
     _write_synced,
     remove_stale_partials,
 )
-from lightning_zero.checkpoint.format import CheckpointError, _hyper
+from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.integrity import add_full_checksums
 from lightning_zero.checkpoint.layout import _check_keys, _check_shape, _names, _slots
 from lightning_zero.comm import Communicator
-from lightning_zero.zero.flat_param import original_indices
+from lightning_zero.zero.flat_param import full_optimizer_state
 
 # --------------------------------------------------------------------------- the full form: save
 
@@ -38,44 +38,7 @@ def gather_optimizer_state(
     ``{}``, never holding more than their own shards. Every rank must call it.
     """
     groups = engine.group_params(optimizer, index)
-    ids = original_indices(groups)
-    state: dict[int, dict[str, Any]] = {}
-    for flat in engine.flat_spaces():
-        subs = {k: s for k, s in flat.sub_shards.items() if k[0] == index}
-        for sname in sorted({n for s in subs.values() for n in optimizer.state.get(s, {})}):
-            _gather_one(optimizer, flat, subs, sname, ids, state, comm, engine.label)
-    if comm.rank != 0:
-        return {}
-    param_groups = [
-        {**_hyper(g), "params": [ids[id(p)] for p in ps]} for g, ps in zip(optimizer.param_groups, groups)
-    ]
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
-
-
-def _gather_one(optimizer, flat, subs, sname, ids, state, comm, label) -> None:
-    values = {k: optimizer.state.get(s, {}).get(sname) for k, s in subs.items()}
-    sample = next(v for v in values.values() if v is not None)
-    full = None
-    if isinstance(sample, Tensor) and sample.dim() > 0:  # per-element: shard by shard to rank 0
-        chunk = torch.zeros(flat.shard_numel, dtype=sample.dtype, device=sample.device)
-        for key, value in values.items():
-            if value is not None and value.numel():
-                start = flat.sub_shard_offset(key)
-                chunk[start : start + value.numel()].copy_(value)
-        if comm.rank == 0:
-            full = torch.empty(flat.padded_numel, dtype=sample.dtype, device=sample.device)
-        comm.gather(full, chunk, dst=0, name=f"{label}/gather/optimizer_state")
-    if comm.rank != 0:
-        return
-    for p, shape, key, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
-        if key not in subs:
-            continue
-        entry = state.setdefault(ids[id(p)], {})
-        if full is not None:
-            entry[sname] = full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
-        else:
-            value = values[key] if values[key] is not None else sample
-            entry[sname] = value.to("cpu", copy=True) if isinstance(value, Tensor) else value
+    return full_optimizer_state(optimizer, index, engine.flat_spaces(), groups, comm, engine.label, dst=0)
 
 
 def save_full(

@@ -35,7 +35,7 @@ class _Overlap(NamedTuple):
     """The part of one parameter of a flat space that lies in this rank's shard."""
 
     param: nn.Parameter
-    key: Any  # (optimizer index, group index) or None
+    position: int  # the parameter's position in its flat space
     numel: int  # elements of the whole parameter
     start: int  # first element inside the shard (1D, shard_numel)
     stop: int  # one past the last
@@ -44,13 +44,11 @@ class _Overlap(NamedTuple):
 
 def _overlaps(flat: FlatParameter) -> list[_Overlap]:
     """This rank's part of every parameter of ``flat`` (empty parts left out)."""
-    begin = flat.rank * flat.shard_numel
-    out = []
-    for p, shape, key, offset in zip(flat.params, flat.shapes, flat.keys, flat.offsets):
-        lo, hi = max(offset, begin), min(offset + shape.numel(), begin + flat.shard_numel)
-        if lo < hi:
-            out.append(_Overlap(p, key, shape.numel(), lo - begin, hi - begin, lo - offset))
-    return out
+    return [
+        _Overlap(p, i, shape.numel(), start, stop, offset)
+        for i, (p, shape, (start, stop, offset)) in enumerate(zip(flat.params, flat.shapes, flat.slices))
+        if start < stop
+    ]
 
 
 def _spaces(engine: Any) -> list[FlatParameter]:

@@ -52,7 +52,7 @@ from lightning_zero.checkpoint.format import (
     _SavePlanner,
 )
 from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
-from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _overlaps, _slots
+from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _slots
 from lightning_zero.comm import Communicator
 
 # --------------------------------------------------------------------------- the sharded form: save
@@ -124,20 +124,20 @@ def _whole_item(sname: str, value: Any, shape: torch.Size) -> Any:
 
 
 def _sub_shard_pieces(engine: Any, optimizer: Optimizer, index: int, names: dict[int, str]) -> dict:
-    """Stages 1-3: per parameter, the slice of each sub-shard state that lies in it."""
+    """Stages 1-3: per parameter, its sub-shard's state: per-element state as a Piece of the
+    parameter's flattening (left out where this rank holds none of it), scalars as they are."""
     state: dict[str, dict[str, Any]] = {}
     for flat in engine.flat_spaces():
-        for o in _overlaps(flat):
-            if o.key is None or o.key[0] != index:
-                continue
-            sub_state = optimizer.state.get(flat.sub_shards[o.key], {})
-            base = flat.sub_shard_offset(o.key)  # where the sub-shard starts in the shard
-            for sname, value in sub_state.items():
+        for i, sub in flat.optimizer_subs(index).items():
+            start, stop, offset = flat.slices[i]
+            for sname, value in optimizer.state.get(sub, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0:
-                    item = Piece(value.detach()[o.start - base : o.stop - base], o.offset, o.numel)
+                    if start == stop:
+                        continue
+                    item = Piece(value.detach(), offset, flat.shapes[i].numel())
                 else:
                     item = value.detach() if isinstance(value, Tensor) else _Kept(value)
-                state.setdefault(names[id(o.param)], {})[sname] = item
+                state.setdefault(names[id(flat.params[i])], {})[sname] = item
     return state
 
 

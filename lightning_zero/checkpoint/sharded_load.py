@@ -31,7 +31,6 @@ from lightning_zero.checkpoint.layout import (
     _check_shape,
     _group_params,
     _names,
-    _overlaps,
     _slots,
 )
 from lightning_zero.checkpoint.sharded import ShardedModelState, ShardedOptimizerState, _reader
@@ -157,46 +156,37 @@ def _load_sub_shards(
     dest: dict[str, Any] = {}
     builders = []
     for flat in engine.flat_spaces():
-        parts = _overlaps(flat)
-        for key, sub in flat.sub_shards.items():
-            if key[0] == st.index:
-                members = [names[id(p)] for p, k in zip(flat.params, flat.keys) if k == key]
-                build = _plan_sub_shard(flat, key, sub, parts, members, index, st.metadata, dest, names)
-                builders.append((sub, build))
+        for i, sub in flat.optimizer_subs(st.index).items():
+            entries = index.get(names[id(flat.params[i])], {})
+            if entries:
+                builders.append((sub, _plan_sub_shard(flat, i, sub, entries, st.metadata, dest)))
     comm.load_checkpoint_items(
         dest, _reader(st.path), _LoadPlanner(), name=f"checkpoint/load/optimizer={st.index}"
     )
     for sub, build in builders:
-        state = build()
-        if state:
-            optimizer.state[sub] = state
+        optimizer.state[sub] = build()
 
 
-def _plan_sub_shard(flat, key, sub, parts, members, index, metadata, dest, names) -> Callable[[], dict]:
+def _plan_sub_shard(flat, i, sub, entries, metadata, dest) -> Callable[[], dict]:
     """Register what one sub-shard reads into ``dest``; return what assembles its state after.
 
-    Per-element states: a zero buffer shaped like the sub-shard, each parameter's slice read into
-    its part (a parameter the checkpoint has no such state for stays zero). Scalars (step): the
-    first member parameter's value; empty sub-shards get them too, as the optimizer gave them.
+    Per-element states: a buffer shaped like the sub-shard, read from its slice of the parameter's
+    flattening. Scalars (step): read whole; empty sub-shards get them too, as the optimizer gave them.
     """
-    base = flat.sub_shard_offset(key)
+    start, stop, offset = flat.slices[i]
     mds = metadata.state_dict_metadata
-    snames = sorted({s for n in members for s in index.get(n, {})})
     per_element: dict[str, Tensor] = {}
     scalars: dict[str, str] = {}
-    for sname in snames:
-        first = next(index[n][sname] for n in members if sname in index.get(n, {}))
-        md = mds[first]
+    for sname, fqn in entries.items():
+        md = mds[fqn]
         if not _is_per_element(md):
-            dest.setdefault(first, _destination(md))
-            scalars[sname] = first
+            dest.setdefault(fqn, _destination(md))
+            scalars[sname] = fqn
             continue
         dtype = sub.dtype if md.properties.dtype.is_floating_point else md.properties.dtype
-        buf = torch.zeros(sub.numel(), dtype=dtype, device=sub.device)
-        for o in parts:
-            fqn = index.get(names[id(o.param)], {}).get(sname) if o.key == key else None
-            if fqn is not None:
-                dest[fqn] = Piece(buf[o.start - base : o.stop - base], o.offset, o.numel)
+        buf = torch.zeros(stop - start, dtype=dtype, device=sub.device)
+        if stop > start:
+            dest[fqn] = Piece(buf, offset, flat.shapes[i].numel())
         per_element[sname] = buf
 
     def build() -> dict[str, Any]:

@@ -22,6 +22,8 @@ class GradSync(Protocol):
 
     def finish_forward(self, output: Any) -> None: ...
 
+    def abort_forward(self) -> None: ...
+
 
 class ZeroModule(nn.Module):
     """Runs the wrapped module's forward between the stage's per-call preparation and wrap-up.
@@ -50,7 +52,11 @@ class ZeroModule(nn.Module):
         if training and self._broadcast_buffers and self.sync.sync_enabled:
             self.sync_buffers()
         self.sync.prepare_forward()
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            self.sync.abort_forward()  # nothing collective: the peers may not be in this step
+            raise
         self.sync.finish_forward(output)
         return output
 

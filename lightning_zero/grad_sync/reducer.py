@@ -20,19 +20,25 @@ step comes from rank 0's observed order, broadcast to all.
 Stages 1 and 2 reduce-scatter each bucket instead of all-reducing it (bucket padded to a multiple
 of N; rank r owns chunk r). Stage 1 keeps the full bucket as gradient storage, as stage 0 does, and
 reduce-scatters in place: afterwards chunk r of the bucket holds rank r's summed shard, the rest of
-the bucket is scratch, and the parameters' ``.grad`` are cleared. Stage 2 attaches no views: the
-ready hook adds a parameter's fresh ``.grad`` into a bucket allocated on demand and drops the
-``.grad`` at once; the bucket is freed as soon as its reduce-scatter completed, so only the 1/N
-shard gradients (accumulated in fp32 across micro-batches) outlive the backward. The shard
-gradient of bucket b lands in ``shard_params[b].grad``, which is what the sharded optimizer steps.
+the bucket is scratch, and the parameters' ``.grad`` are cleared. The shard gradient of bucket b
+(``spaces[b].grad``, see [Note: gradient window] in zero/flat_param.py) then borrows chunk r
+without a copy; before anything writes into the bucket again (the next forward's views, another
+backward's gradients) the reducer gives it storage of its own (``keep_grad``), so a second
+synchronised backward before the step adds to it instead of overwriting it. Stage 2 attaches no
+views: the ready hook adds a parameter's fresh ``.grad`` into a bucket allocated on demand and
+drops the ``.grad`` at once; the bucket is freed as soon as its reduce-scatter completed, so only
+the 1/N shard gradients outlive the backward.
 
 [Note: reduce dtype]
 With a ``reduce_dtype`` other than the parameters' dtype (bf16 or fp16 parameters, fp32 on the
 wire), a gradient cannot be a view of its bucket. The buckets are then in ``reduce_dtype`` and the
 ready hook adds each fresh ``.grad`` into its slot and drops it, as stage 2 does; stages 0 and 1
 keep their buckets between steps, zeroed lazily by the first addition after the reduced values
-were handed on (``Bucket.stale``). Micro-batches accumulate in ``reduce_dtype`` too. Stage 0 hands
-the reduced bucket slots themselves to the fp32 master gradients (``reduced_grads``), no copy.
+were consumed: a slot whose consumer dropped its gradient (``consumed(i)``: the fp32 master's
+``.grad`` is None after the step or ``zero_grad``) is zeroed before the next addition, every other
+slot keeps adding, across micro-batches and across several synchronised backwards before a step.
+Stage 0 hands the reduced bucket slots themselves to the fp32 master gradients
+(``reduced_grads``), no copy.
 
 [Note: no_sync]
 Inside ``no_sync()`` the hooks only keep ``.grad`` in bucket storage and note which parameters
@@ -44,13 +50,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, plan_buckets
 
 
@@ -77,6 +84,10 @@ class UnusedParametersError(RuntimeError):
     """A parameter that requires grad got no gradient in a synchronised backward."""
 
 
+if TYPE_CHECKING:
+    from lightning_zero.zero.flat_param import FlatParameter
+
+
 class Bucket:
     """Flat gradient storage for some parameters, plus its state in the current backward."""
 
@@ -92,7 +103,7 @@ class Bucket:
         self.handle: Handle | None = None  # the in-flight collective, None when not launched
         self.shard_out: Tensor | None = None  # 1D, padded_numel / N: reduce-scatter output
         self.persistent = persistent  # storage kept between steps (stages 0-1)
-        self.stale = False  # holds reduced values already handed on: zero before the next addition
+        self.stale = False  # stage 1: holds a reduce-scatter's leftovers; zero before the next addition
         if persistent:
             self.allocate()
 
@@ -109,7 +120,7 @@ class Bucket:
         return self.flat
 
     def release(self) -> None:
-        """The reduced values were handed on: free the storage, or mark it for zeroing."""
+        """The reduced values were handed on: free the storage (stage 2), or mark it for zeroing."""
         if self.persistent:
             self.stale = True
         else:
@@ -133,7 +144,7 @@ class GradReducer:
         find_unused_parameters: reduce missing gradients as zeros instead of raising.
         label: prefix of the collectives' names (e.g. ``"zero0"``).
         stage: 0 all-reduces buckets; 1 and 2 reduce-scatter them (see [Note: sharded gradients]).
-        keys: per parameter, an extra bucket split key (the optimizer param group for stages 1-2).
+        keys: per parameter, an extra bucket split key (None: split by dtype and device only).
         accumulate_unsharded: stage 2 only: inside ``no_sync()`` keep full local gradients and
             reduce-scatter once per window (less traffic, more memory) instead of every micro-batch.
         reduce_dtype: dtype of the buckets (on the wire); None: the parameters' dtype (see
@@ -169,18 +180,21 @@ class GradReducer:
         self.attach_views = stage <= 1 and all(reduce_dtype in (None, p.dtype) for p in self.params)
         self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
         self.on_reduced: Callable[[], None] | None = None  # called after each synchronised backward
-        self.shard_params: list[Parameter | None] | None = None  # bucket -> shard parameter (stages 1-2)
+        self.consumed: Callable[[int], bool] | None = None  # stage 0 added slots: consumer dropped it
+        self.spaces: list[FlatParameter] | None = None  # stages 1-2: bucket -> its shard's flat space
         self.sync_enabled = True  # False inside no_sync()
         self.buckets: list[Bucket] = []  # in launch order
         self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
         self._index = {id(p): i for i, p in enumerate(self.params)}  # id(param) -> index
         self._used = [False] * len(self.params)  # got a gradient since the last sync
-        self._dropped: set[int] = set()  # no rank used them in the last synced backward
+        self._window_used = [False] * len(self.params)  # some rank used it since its gradient was consumed
+        self._zeroed = [False] * len(self.params)  # stage 0 added slots: zeroed for the running window
+        self._dropped: set[int] = set()  # no rank used them in the gradient window
         self._ready = [False] * len(self.params)  # got a gradient in this synced backward
         self._ready_order: list[int] = []  # indices in ready order, recorded until the rebuild
         self._rebuilt = False  # whether the plan was rebuilt from the observed order
         self._next_launch = 0  # index of the next bucket to launch
-        self._finalize_queued = False  # end-of-backward callback queued for this backward
+        self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._build(self._plan())
 
@@ -200,23 +214,36 @@ class GradReducer:
         )
 
     def _build(self, specs: list[BucketSpec]) -> None:
-        """Allocate buckets for ``specs``, moving any gradient already held into the new slots."""
-        old_grads = [p.grad for p in self.params]
+        """Allocate buckets for ``specs``, moving what the parameters accumulated into the new slots."""
+        held = self._held_grads()
         self.buckets = [
             Bucket(i, s, [self.params[j] for j in s.params], persistent=self.stage <= 1)
             for i, s in enumerate(specs)
         ]
         self._slot = {j: (b, k) for b in self.buckets for k, j in enumerate(b.spec.params)}
-        for i, grad in enumerate(old_grads):
-            if grad is not None and self.attach_views:
-                bucket, k = self._slot[i]
-                bucket.views[k].copy_(grad)
+        for i, grad in held.items():
+            bucket, k = self._slot[i]
+            bucket.views[k].copy_(grad)
+            if self.attach_views:
                 self.params[i].grad = bucket.views[k]
+
+    def _held_grads(self) -> dict[int, Tensor]:
+        """What each parameter accumulated so far: its ``.grad`` (views), or its slot (added into)."""
+        if self.attach_views:
+            return {i: p.grad for i, p in enumerate(self.params) if p.grad is not None}
+        return {i: b.views[k] for i, (b, k) in self._slot.items() if b.flat is not None}
+
+    def _writable(self, bucket: Bucket) -> Tensor:
+        """The bucket's storage, about to be written: a shard gradient borrowing it gets its own
+        first (see [Note: sharded gradients])."""
+        if self.spaces is not None and bucket.persistent:
+            self.spaces[bucket.index].keep_grad()
+        return bucket.allocate()
 
     def grad_tensors(self) -> list[Tensor]:
         """Every tensor that holds gradient storage now (for memory accounting)."""
         flats = [b.flat for b in self.buckets if b.flat is not None]
-        shards = [p.grad for p in self.shard_params or () if p.grad is not None]
+        shards = [s.grad for s in self.spaces or () if s.grad is not None]
         return flats + shards + [p.grad for p in self.params if p.grad is not None]
 
     def reduced_grads(self) -> list[tuple[Parameter, Tensor | None]]:
@@ -252,6 +279,9 @@ class GradReducer:
     def finish_forward(self, output: object) -> None:
         """Nothing to do after forward: the hooks drive everything from here."""
 
+    def abort_forward(self) -> None:
+        """The step raised: nothing to undo."""
+
     def prepare_forward(self) -> None:
         """Point every ``.grad`` at its bucket slot (zeroed where the gradient was cleared)."""
         if not self.attach_views or not torch.is_grad_enabled():  # evaluation: gradients untouched
@@ -260,9 +290,12 @@ class GradReducer:
             bucket, k = self._slot[i]
             view = bucket.views[k]
             if p.grad is None:
+                self._writable(bucket)
                 view.zero_()
                 p.grad = view
+                self._window_used[i] = False
             elif p.grad.data_ptr() != view.data_ptr():
+                self._writable(bucket)
                 view.copy_(p.grad)
                 p.grad = view
 
@@ -274,14 +307,11 @@ class GradReducer:
         self._used[i] = True
         if not self.sync_enabled:
             return
-        if not self._finalize_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            self._finalize_queued = True
+        self._end.note()
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} became ready twice in one synchronised backward; "
-                "reentrant backward passes (e.g. activation checkpointing with use_reentrant=True) are "
-                "not supported, use use_reentrant=False"
+                "a parameter's gradient must be accumulated once per backward pass"
             )
         self._ready[i] = True
         if not self._rebuilt and self.stage == 0:  # only stage 0 rebuilds; elsewhere it would grow forever
@@ -295,14 +325,25 @@ class GradReducer:
         if param.grad is None:
             return
         if not self.attach_views:
-            bucket.allocate()
+            self._writable(bucket)
+            self._start_window(i)
             bucket.views[k].add_(param.grad)
             param.grad = None
             return
         view = bucket.views[k]
         if param.grad.data_ptr() != view.data_ptr():
+            self._writable(bucket)
             view.copy_(param.grad)
             param.grad = view
+
+    def _start_window(self, i: int) -> None:
+        """Stage 0 added slots: zero slot ``i`` once its consumer dropped the last reduced value."""
+        if self.consumed is None or self._zeroed[i] or not self.consumed(i):
+            return
+        bucket, k = self._slot[i]
+        bucket.views[k].zero_()
+        self._zeroed[i] = True
+        self._window_used[i] = False
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
@@ -310,7 +351,7 @@ class GradReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        flat = bucket.allocate()
+        flat = self._writable(bucket)
         flat.div_(self.comm.world_size)
         if self.stage == 0:
             bucket.handle = self.comm.all_reduce(flat, name=f"{self.label}/all_reduce/bucket={bucket.index}")
@@ -322,31 +363,21 @@ class GradReducer:
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name)
 
-    def _deliver_shards(self) -> None:
-        """Hand each bucket's reduced shard to its shard parameter; drop the full gradients."""
-        assert self.shard_params is not None, "stages 1-2 need shard parameters before the first backward"
-        for bucket, shard_param in zip(self.buckets, self.shard_params):
-            if not self.attach_views:
-                bucket.release()
-            if shard_param is None:  # parameters no optimizer updates
-                continue
-            # the sub-shard starts at the shard's start and stops before any padding (last ranks)
-            out = bucket.shard_out[: shard_param.numel()].to(shard_param.dtype)
-            if self.stage == 1 or shard_param.grad is None:  # stage 2 adds each micro-batch's shard
-                shard_param.grad = out
-            else:
-                shard_param.grad.add_(out)
+    def _deliver_shards(self, used: list[bool] | None) -> None:
+        """Add each bucket's reduced shard into its flat space's shard gradient; drop the full ones."""
+        assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
+        for bucket, space in zip(self.buckets, self.spaces):
+            space.accumulate_grad(bucket.shard_out, lend=bucket.persistent)
+            if used is not None:
+                space.drop_unused([used[j] for j in bucket.spec.params])
+            bucket.release()
         for p in self.params:
             p.grad = None
 
     def _finalize(self) -> None:
         """End of a synchronised backward: launch what is left, wait for everything, check."""
-        self._finalize_queued = False
         missing = [i for i, ready in enumerate(self._ready) if not ready]
-        for i in missing:
-            if self.params[i].grad is None and self.attach_views:  # nothing accumulated: reduce zeros
-                bucket, k = self._slot[i]
-                bucket.views[k].zero_()
+        self._prepare_missing(missing)
         for bucket in self.buckets[self._next_launch :]:
             self._launch(bucket)
         used_map = self._launch_used_map() if self.find_unused_parameters else None
@@ -356,19 +387,30 @@ class GradReducer:
         if missing and not self.find_unused_parameters:
             self._reset_backward_state()
             raise UnusedParametersError(self._unused_message(missing))
-        self._dropped = self._drop_globally_unused(used_map) if used_map is not None else set()
+        used = self._globally_used(used_map) if used_map is not None else None
         if self.stage >= 1:
-            self._deliver_shards()
+            self._deliver_shards(used)
+        else:
+            self._drop_unused(used)
         if self.on_reduced is not None:
             self.on_reduced()
-        if self.stage == 0:
-            if not self.attach_views:
-                for bucket in self.buckets:
-                    bucket.release()
-            if not self._rebuilt:
-                self._rebuild()
+        if self.stage == 0 and not self._rebuilt:
+            self._rebuild()
         self._reset_backward_state()
         self._used = [False] * len(self.params)
+        self._zeroed = [False] * len(self.params)
+
+    def _prepare_missing(self, missing: list[int]) -> None:
+        """Slots of parameters that got no gradient are reduced as they are: zeros, or the window's sum."""
+        for i in missing:
+            if self.attach_views:
+                if self.params[i].grad is None:  # nothing accumulated: reduce zeros
+                    bucket, k = self._slot[i]
+                    self._writable(bucket)
+                    bucket.views[k].zero_()
+            else:
+                self._writable(self._slot[i][0])
+                self._start_window(i)
 
     def _reset_backward_state(self) -> None:
         for bucket in self.buckets:
@@ -381,14 +423,24 @@ class GradReducer:
         used = torch.tensor(self._used, dtype=torch.int32, device=device)
         return used, self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map")
 
-    def _drop_globally_unused(self, used_map: tuple[Tensor, Handle]) -> set[int]:
-        """A parameter no rank used keeps ``.grad = None``, as torch DDP leaves it; returns them."""
+    def _globally_used(self, used_map: tuple[Tensor, Handle]) -> list[bool]:
+        """Per parameter: some rank used it in this backward."""
         used, handle = used_map
         handle.wait()
-        dropped = {i for i, count in enumerate(used.tolist()) if count == 0}
-        for i in dropped:
-            self.params[i].grad = None
-        return dropped
+        return [count > 0 for count in used.tolist()]
+
+    def _drop_unused(self, used: list[bool] | None) -> None:
+        """Stage 0: a parameter no rank used in the gradient window keeps ``.grad = None``, as torch
+        DDP leaves it (see [Note: gradient window] in zero/flat_param.py)."""
+        if used is None:
+            self._window_used = [True] * len(self.params)
+            self._dropped = set()
+            return
+        self._window_used = [a or b for a, b in zip(self._window_used, used)]
+        self._dropped = {i for i, seen in enumerate(self._window_used) if not seen}
+        if self.attach_views:
+            for i in self._dropped:
+                self.params[i].grad = None
 
     def _rebuild(self) -> None:
         """Rebuild the plan once, in the ready order rank 0 observed (see [Note: bucket order])."""

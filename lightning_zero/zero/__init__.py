@@ -1,5 +1,11 @@
 """ZeRO sharding: flat parameter buckets and the optimizer stepping on this rank's shard."""
 
-from lightning_zero.zero.optimizer import ShardedParams, ShardingError, param_group_keys
+from lightning_zero.zero.optimizer import (
+    ELEMENTWISE,
+    ShardedParams,
+    ShardingError,
+    check_shardable,
+    mark_elementwise,
+)
 
-__all__ = ["ShardedParams", "ShardingError", "param_group_keys"]
+__all__ = ["ELEMENTWISE", "ShardedParams", "ShardingError", "check_shardable", "mark_elementwise"]

@@ -4,23 +4,33 @@
 The parameter buckets have the layout of the gradient buckets (``BucketSpec``): one flat tensor
 per bucket, padded to a multiple of N, split into N equal contiguous chunks; rank r owns chunk r
 of every bucket, so shards are balanced to the element. The module's own parameters become views
-into the flat tensors (``p.data`` points into them), and the shard parameter of bucket b is a
-leaf tensor aliasing chunk r of that bucket. The optimizer steps the shard parameters in place,
+into the flat tensors (``p.data`` points into them), and the sub-shards of bucket b alias slices
+of chunk r (see [Note: flat space] in flat_param.py). The optimizer steps the sub-shards in place,
 which updates chunk r of the model's parameters directly; an in-place AllGather per bucket then
 brings every rank the other chunks. The flat tensors are owned by :class:`ShardedParams`.
 
 [Note: optimizer in place]
-The user's optimizer object is kept: its ``param_groups[i]["params"]`` lists are replaced by the
-shard parameters of the buckets belonging to group i, everything else in the group (lr, betas,
-weight decay, what a scheduler changes) is untouched. Lightning's ``trainer.optimizers`` and the
-LR schedulers therefore keep working on the same object. Its state is per shard; the checkpoint
-form is consolidated back to the original parameters (``full_state_dict``) so that a plain single
-process can load it.
+The user's optimizer object is kept: each ``param_groups[i]["params"]`` list is replaced by the
+sub-shards of its parameters, in the same order (parameters that take no part in training, frozen
+ones, are left out: they never have a gradient); everything else in the group (lr, betas, weight
+decay, what a scheduler changes) is untouched. Lightning's ``trainer.optimizers`` and the LR
+schedulers therefore keep working on the same object. Its state is per sub-shard; the checkpoint
+form is consolidated back to the original parameters so that a plain single process can load it.
+
+[Note: elementwise optimizers]
+Sharding an optimizer is exact only if its update of an element depends on that element's
+gradient and state alone (and on scalars): then stepping each rank's slice equals stepping the
+whole parameter. SGD, Adam and their kin are; LAMB and LARS (trust ratio over the whole
+parameter), Adafactor (factored second moments), Shampoo, Muon and LBFGS are not. The sharded
+stages accept the optimizers in :data:`ELEMENTWISE` and those a user declares with
+:func:`mark_elementwise` or ``ZeroConfig.elementwise_optimizers``, and refuse any other at setup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import inspect
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -37,36 +47,74 @@ from lightning_zero.zero.flat_param import (
     load_full_optimizer_state,
 )
 
-UNSHARDABLE = (torch.optim.LBFGS,)  # step re-evaluates closures over whole parameters
+ELEMENTWISE: tuple[type, ...] = tuple(  # exact when sharded (foreach and fused variants included)
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta")
+)
+_DECLARED: set[type] = set()  # classes declared elementwise by users (mark_elementwise)
 
 
 class ShardingError(ValueError):
     """The optimizer or model cannot be sharded; the message says why and what to use instead."""
 
 
-def param_group_keys(
-    optimizers: Sequence[Optimizer], params: Sequence[Parameter], names: Sequence[str]
-) -> list:
-    """Per parameter, ``(optimizer index, group index)``; ``None`` for one no optimizer updates."""
-    where: dict[int, tuple[int, int]] = {}
-    for oi, optimizer in enumerate(optimizers):
-        _refuse_unshardable(optimizer)
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) in where:
-                    raise ShardingError(
-                        f"a parameter appears in two optimizer param groups: {where[id(p)]} and {(oi, gi)}"
-                    )
-                where[id(p)] = (oi, gi)
-    return [where.get(id(p)) for p in params]
+def mark_elementwise(cls: type) -> type:
+    """Declare an optimizer class elementwise (see [Note: elementwise optimizers]); usable as a
+    class decorator. Its per-element state must be shaped like the parameter it belongs to."""
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise TypeError(f"mark_elementwise takes a torch.optim.Optimizer subclass, got {cls!r}")
+    _DECLARED.add(cls)
+    return cls
 
 
-def _refuse_unshardable(optimizer: Optimizer) -> None:
-    if isinstance(optimizer, UNSHARDABLE):
-        raise ShardingError(
-            f"{type(optimizer).__name__} cannot be sharded: its step evaluates the closure over whole "
-            "parameters. Use stage 0 (strategy='zero0') for it."
-        )
+def resolve_optimizer_classes(entries: Iterable[str | type]) -> tuple[type, ...]:
+    """Optimizer classes from classes or ``package.module.Class`` import paths."""
+    classes = []
+    for entry in entries:
+        if isinstance(entry, str):
+            module_name, _, class_name = entry.rpartition(".")
+            try:
+                entry = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise ValueError(f"elementwise_optimizers: {entry!r} cannot be imported: {err}") from err
+        if not (isinstance(entry, type) and issubclass(entry, Optimizer)):
+            raise ValueError(f"elementwise_optimizers: {entry!r} is not a torch.optim.Optimizer subclass")
+        classes.append(entry)
+    return tuple(classes)
+
+
+def check_shardable(optimizer: Optimizer, declared: Sequence[type] = ()) -> None:
+    """Refuse an optimizer that is not known to be elementwise (see [Note: elementwise optimizers])."""
+    cls = type(optimizer)
+    if cls in ELEMENTWISE or cls in _DECLARED or cls in declared:
+        return
+    base = next((b for b in ELEMENTWISE if issubclass(cls, b)), None)
+    # a subclass that keeps its base's update (torch wraps step() in profiling hooks per class)
+    if base is not None and inspect.unwrap(cls.step) is inspect.unwrap(base.step):
+        return
+    raise ShardingError(
+        f"{cls.__module__}.{cls.__qualname__} is not known to be elementwise, so the sharded stages "
+        "cannot split its state (an update that looks at whole parameters - trust ratios, factored or "
+        "matrix-shaped state - would change). Use stage 0 (strategy='zero0') for it, or, if each element's "
+        "update depends only on that element, declare it: lightning_zero.mark_elementwise(YourOptimizer) "
+        "or ZeroConfig(elementwise_optimizers=['your.module.YourOptimizer'])."
+    )
+
+
+def shard_optimizer_in_place(
+    optimizer: Optimizer, optimizer_index: int, spaces: Sequence[FlatParameter]
+) -> list[list[Parameter]]:
+    """Give each param group the sub-shards of its parameters (see [Note: optimizer in place]);
+    return the original groups' parameters."""
+    if optimizer.state:
+        raise ShardingError(f"{type(optimizer).__name__} already holds state; shard it before its first step")
+    where = {id(p): (space, i) for space in spaces for i, p in enumerate(space.params)}
+    original = [list(g["params"]) for g in optimizer.param_groups]
+    for group, params in zip(optimizer.param_groups, original):
+        group["params"] = [
+            where[id(p)][0].sub_shard(optimizer_index, where[id(p)][1]) for p in params if id(p) in where
+        ]
+    return original
 
 
 class ShardedParams:
@@ -75,6 +123,7 @@ class ShardedParams:
     Args:
         reducer: the gradient reducer; its buckets define the layout (see [Note: shard layout]).
         comm: collectives for the AllGather of updated parameters and the norm AllReduce.
+        masters: id(param) -> fp32 master value under a mixed-precision policy, else None.
     """
 
     def __init__(
@@ -84,7 +133,7 @@ class ShardedParams:
         self.comm = comm
         self.label = reducer.label  # prefix of the collectives' names
         self.flats: list[Tensor] = []  # per bucket: 1D, padded to a multiple of N; owns the params
-        self.spaces: list[FlatParameter] = []  # per bucket: layout, shard and sub-shard
+        self.spaces: list[FlatParameter] = []  # per bucket: layout, shard, sub-shards, shard gradient
         self.original_groups: dict[int, list[list[Parameter]]] = {}  # optimizer -> groups' params
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
         self.masters = bool(masters)  # shards are separate fp32 masters (see [Note: mixed precision])
@@ -92,11 +141,9 @@ class ShardedParams:
 
     def _layout(self, masters: dict[int, Tensor]) -> None:
         for b, bucket in enumerate(self.reducer.buckets):
-            keys = [self.reducer.keys[i] for i in bucket.spec.params]
             space = FlatParameter(
                 f"bucket={b}",
                 bucket.params,
-                keys,
                 torch.empty(0),
                 world_size=self.comm.world_size,
                 rank=self.comm.rank,
@@ -106,16 +153,15 @@ class ShardedParams:
                 for p, offset in zip(bucket.params, space.offsets):
                     p.data = flat[offset : offset + p.numel()].view_as(p)
             space.shard = space.master_shard(masters) if masters else space.own_chunk(flat)
-            space.sub_shards = space._make_sub_shards()
             self.flats.append(flat)
             self.spaces.append(space)
-        self.reducer.shard_params = [next(iter(s.sub_shards.values()), None) for s in self.spaces]
+        self.reducer.spaces = self.spaces
 
     def buckets_of(self, optimizer_index: int) -> list[int]:
-        return [b for b, s in enumerate(self.spaces) if any(k[0] == optimizer_index for k in s.sub_shards)]
+        return [b for b, s in enumerate(self.spaces) if s.optimizer_subs(optimizer_index)]
 
     def shard_optimizer(self, optimizer: Optimizer, optimizer_index: int) -> None:
-        """Replace the groups' parameters by their shard parameters (see [Note: optimizer in place])."""
+        """Replace the groups' parameters by their sub-shards (see [Note: optimizer in place])."""
         self.original_groups[optimizer_index] = shard_optimizer_in_place(
             optimizer, optimizer_index, self.spaces
         )
@@ -153,19 +199,6 @@ class ShardedParams:
         load_full_optimizer_state(
             optimizer, optimizer_index, self.spaces, self.original_groups[optimizer_index], saved
         )
-
-
-def shard_optimizer_in_place(
-    optimizer: Optimizer, optimizer_index: int, spaces: Sequence[FlatParameter]
-) -> list[list[Parameter]]:
-    """Give each param group the sub-shards of its parameters; return the original groups' params."""
-    if optimizer.state:
-        raise ShardingError(f"{type(optimizer).__name__} already holds state; shard it before its first step")
-    original = [list(g["params"]) for g in optimizer.param_groups]
-    for gi, group in enumerate(optimizer.param_groups):
-        key = (optimizer_index, gi)
-        group["params"] = [s.sub_shards[key] for s in spaces if key in s.sub_shards]
-    return original
 
 
 def check_state_shapes(optimizer: Optimizer) -> None:

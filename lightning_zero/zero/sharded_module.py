@@ -1,25 +1,36 @@
-"""Stage 3: one ShardedUnit per wrap unit; gather before use, free after, reduce-scatter gradients.
-
-[Note: gathered and sharded]
-Between uses a unit holds only ``flat.shard`` (1D, padded_numel / N): this rank's slice of the
-unit's flat parameter, which the optimizer's sub-shards alias. To run, the unit resizes the
-storage of ``full`` (1D, padded_numel) back, all-gathers the shards into it and points each
-original parameter's ``.data`` at its view of ``full``; so ``self.fc.weight`` works unchanged in
-forward. To free, the parameters point at an empty placeholder (a stray access outside a
-gathered region fails with a shape error instead of reading freed memory) and the storage of
-``full`` is resized to zero, which releases it even while autograd still holds views of it; the
-unit gathers into the same storage again before its backward, so those views see the values again.
+"""Stage 3 for one model: its units, their hooks, and the schedule of gathers and reduce-scatters.
 
 [Note: the schedule]
-Forward: a unit is gathered in its forward pre-hook (the next unit in forward order is already
-in flight when prefetch is on) and freed in its forward hook, except the root unit, which
-finishes forward last and which backward needs at once: 2L-1 AllGathers per step for L units.
-The forward hook registers a hook on the unit's outputs that fires when backward reaches them:
-the unit is gathered again there (the next unit in backward order prefetched). When every
-parameter of the unit has accumulated its gradient, the unit's gradients are copied into a flat
-buffer, reduce-scattered, and the unit freed. An end-of-backward callback waits for the
-reduce-scatters, adds each shard into the fp32 shard gradient (accumulating across
-micro-batches), and frees whatever is still gathered.
+Forward: a unit is gathered in its forward pre-hook (the next unit in forward order already in
+flight when prefetch is on) and freed in its forward hook; the root unit (parameters outside every
+other unit) is gathered when the step begins and kept for the whole step and its backward, so
+2L-1 AllGathers run per step for L units. The forward hook registers a hook on the unit's outputs
+that fires when backward reaches them: the unit enters PRE_BACKWARD, is gathered again, and the
+next unit in backward order is prefetched. When every parameter of the unit has accumulated its
+gradient, it enters POST_BACKWARD: the gradients are copied into a flat buffer, reduce-scattered
+and the unit freed. ReduceScatters are issued in one fixed order on every rank (reverse forward
+order, the root last; a unit finishing early waits for the ones before it), at most
+``max_reduce_buffers`` at once: before another starts, the oldest is waited and its full-size
+buffer freed. At the end of the outermost backward (see [Note: end of backward]) every unit not yet
+reduced is reduced (missing gradients as zeros), all ReduceScatters are waited and added into the
+shard gradients (see [Note: gradient window]), every gather still in flight is waited, every unit
+but the kept root is freed and all return to IDLE: nothing is in flight across an optimizer step.
+
+Activation checkpointing runs a unit's forward again inside backward. The hooks see it (they run
+inside an autograd graph task) and then neither prefetch in forward order (the next unit in that
+order already had its backward) nor free a unit whose backward is running; a unit recomputed
+ahead of its own backward (a checkpoint spanning several units, or a reentrant one) is freed as
+in forward and gathered again when its backward begins.
+
+[Note: parameters outside forward]
+Outside its gathers a unit's parameters hold empty placeholders, and any computation with one
+raises an error that names it (see [Note: sharded parameters] in unit.py) instead of computing
+with the placeholder; what a parameter is (shape of the placeholder, dtype, device, requires_grad)
+can still be read. Code that needs whole parameters outside their unit's forward (a penalty over
+all parameters, a weight norm) runs inside :meth:`ZeroThree.gathered` (every rank at once); with
+gradients enabled inside a step the units then stay gathered until the end of the next backward,
+so the penalty's gradients reach them. The root unit (parameters outside every other unit) is
+gathered for the whole step and its backward.
 
 Every rank runs the same units in the same order, so the collectives match (see [Note: same
 collectives everywhere] in grad_sync/reducer.py).
@@ -27,7 +38,8 @@ collectives everywhere] in grad_sync/reducer.py).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Hashable, Sequence
+from collections import deque
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,188 +48,41 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
-from lightning_zero.grad_sync.reducer import sync_suspended
-from lightning_zero.zero.flat_param import FlatParameter, full_parameters, state_dict_with
+from lightning_zero.grad_sync.backward import EndOfBackward
+from lightning_zero.grad_sync.reducer import UnusedParametersError, sync_suspended
+from lightning_zero.zero.flat_param import full_parameters, state_dict_with
+from lightning_zero.zero.unit import GatherMeter, ShardedUnit, TrainingState
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
-
-class GatherMeter:
-    """Bytes of full parameters held gathered right now, and the most held at once since a reset."""
-
-    def __init__(self) -> None:
-        self.now = 0  # bytes gathered (storage resized up) at this moment
-        self.peak = 0  # the most at once since reset()
-
-    def add(self, nbytes: int) -> None:
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-
-    def reset(self) -> None:
-        self.peak = self.now
+IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = (
+    TrainingState.IDLE,
+    TrainingState.FORWARD,
+    TrainingState.PRE_BACKWARD,
+    TrainingState.POST_BACKWARD,
+)
 
 
-class ShardedUnit:
-    """One wrap unit: its flat parameter, gathered or sharded, and its backward bookkeeping."""
-
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        params: list[tuple[str, nn.Parameter]],
-        keys: list,
-        comm: Communicator,
-        label: str,
-        masters: dict[int, Tensor] | None = None,
-        reduce_dtype: torch.dtype | None = None,
-    ) -> None:
-        order = sorted(range(len(params)), key=lambda i: (_key_order(keys[i]), i))
-        self.name = name or "root"  # module path; "root" for the whole model
-        self.module = module  # the wrapped module
-        self.names = [params[i][0] for i in order]  # parameter names, layout order
-        self.comm = comm
-        self.label = label
-        _check_uniform(self.name, [params[i] for i in order])
-        ordered = [params[i][1] for i in order]
-        self.flat = FlatParameter(
-            self.name,
-            ordered,
-            [keys[i] for i in order],
-            torch.empty(0),
-            world_size=comm.world_size,
-            rank=comm.rank,
-        )
-        full = self.flat.full_from_params()  # 1D, padded_numel: storage reused for every gather
-        self.param_shard = self.flat.own_chunk(full).clone()  # 1D, S, param dtype: what gathers read
-        # the optimizer's values: the same tensor, or an fp32 master (see [Note: mixed precision])
-        self.flat.shard = self.flat.master_shard(masters) if masters else self.param_shard
-        self.flat.sub_shards = self.flat._make_sub_shards()
-        self.full = full
-        self.views = [full[o : o + p.numel()].view_as(p) for o, p in zip(self.flat.offsets, ordered)]
-        self.placeholder = torch.empty(0, dtype=full.dtype, device=full.device)  # .data while sharded
-        self.reduce_dtype = reduce_dtype or full.dtype  # gradients on the wire
-        self.gathered = False  # params point into a complete `full`
-        self.meter: GatherMeter | None = None  # shared by the units of one model, set by ZeroThree
-        self.gather_handle: Handle | None = None  # in-flight AllGather
-        self.pending = len(ordered)  # parameters whose gradient is not yet accumulated this backward
-        self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
-        self.reduce_out: Tensor | None = None  # 1D, shard_numel: its output
-        self.reduce_in: Tensor | None = None  # 1D, padded_numel: its input, kept alive until done
-        self.shard_grad: Tensor | None = None  # 1D, shard_numel, fp32: accumulated shard gradient
-        self.reshard()
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return self.flat.params
-
-    def after_step(self) -> None:
-        """Copy the stepped master shard into the shard the next gather reads; let go of the
-        consumed shard gradient (the optimizer's zero_grad frees it; the next window starts anew)."""
-        if self.param_shard is not self.flat.shard:
-            with torch.no_grad():
-                self.param_shard.copy_(self.flat.shard)
-        self.shard_grad = None
-
-    # -- gather and free -----------------------------------------------------------------------
-
-    def gather(self, *, wait: bool = True) -> None:
-        """Start (and by default finish) the AllGather that makes the parameters usable."""
-        if not self.gathered and self.gather_handle is None:
-            storage = self.full.untyped_storage()
-            storage.resize_(self.full.numel() * self.full.element_size())
-            self._count(storage.nbytes())
-            name = f"{self.label}/all_gather/unit={self.name}"
-            self.gather_handle = self.comm.all_gather(self.full, self.param_shard, name=name)
-        if wait:
-            self._finish_gather()
-
-    def _finish_gather(self) -> None:
-        if self.gather_handle is not None:
-            self.gather_handle.wait()
-            self.gather_handle = None
-            for p, view in zip(self.params, self.views):
-                p.data = view
-            self.gathered = True
-
-    def reshard(self) -> None:
-        """Free the full parameters (see [Note: gathered and sharded])."""
-        self._finish_gather()
-        for p in self.params:
-            p.data = self.placeholder
-        self._free_full()
-
-    def release(self) -> None:
-        """Teardown: the parameters hold values of their own now; free ``full`` for good."""
-        self._finish_gather()
-        self._free_full()
-
-    def _free_full(self) -> None:
-        storage = self.full.untyped_storage()
-        self._count(-storage.nbytes())
-        storage.resize_(0)
-        self.gathered = False
-
-    def _count(self, nbytes: int) -> None:
-        if self.meter is not None:
-            self.meter.add(nbytes)
-
-    # -- gradients -----------------------------------------------------------------------------
-
-    def reduce_scatter(self) -> None:
-        """Copy the unit's gradients into a flat buffer, free them, start the ReduceScatter."""
-        flat = torch.zeros(self.flat.padded_numel, dtype=self.reduce_dtype, device=self.full.device)
-        for p, offset in zip(self.params, self.flat.offsets):
-            if p.grad is not None:
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat.div_(self.comm.world_size)
-        self.reduce_in = flat
-        self.reduce_out = torch.empty(self.flat.shard_numel, dtype=flat.dtype, device=flat.device)
-        name = f"{self.label}/reduce_scatter/unit={self.name}"
-        self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, flat, name=name)
-
-    def finish_reduce(self) -> None:
-        """Add the reduced shard into the fp32 shard gradient; give the sub-shards their views."""
-        if self.reduce_handle is None:
-            return
-        self.reduce_handle.wait()
-        out = self.reduce_out.float()
-        consumed = any(s.grad is None for s in self.flat.sub_shards.values())  # zero_grad ran
-        if self.shard_grad is None or consumed:
-            self.shard_grad = out
-            for key, sub in self.flat.sub_shards.items():
-                start = self.flat.sub_shard_offset(key)
-                sub.grad = self.shard_grad[start : start + sub.numel()].to(sub.dtype)
-        else:
-            self.shard_grad.add_(out)
-        self.reduce_handle = self.reduce_in = self.reduce_out = None
-
-
-def _key_order(key: Hashable) -> tuple:
-    return (1, ()) if key is None else (0, key)
-
-
-def _check_uniform(unit: str, params: Sequence[tuple[str, nn.Parameter]]) -> None:
-    kinds = {(p.dtype, p.device) for _, p in params}
-    if len(kinds) > 1:
-        listing = ", ".join(f"{n} ({p.dtype}, {p.device})" for n, p in params)
-        raise ValueError(
-            f"unit {unit!r} mixes dtypes or devices, which one flat parameter cannot hold: {listing}. "
-            "Convert the module to one dtype and device, or wrap the differing parts as units of their own."
-        )
+def _in_backward() -> bool:
+    """Inside an autograd graph task: a hook of backward, or a forward recomputed by checkpointing."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ZeroThree:
-    """Stage 3 for one model: its units, their hooks, and the prefetch schedule.
+    """Stage 3 for one model: its units, their hooks, and the schedule (see [Note: the schedule]).
 
     Args:
         root: the LightningModule.
         comm: collectives.
         policy: which modules become units (see ``wrap.py``).
-        keys: id(parameter) -> (optimizer index, group index) for the trainable parameters.
         prefetch: gather the next unit(s) while the current one computes.
         prefetch_limit: how many units ahead may be in flight at once.
         reshard_after_forward: free non-root units after forward (else keep them for backward).
         accumulate_unsharded: inside ``no_sync()`` keep full gradients, reduce-scatter once.
+        find_unused_parameters: a parameter without gradient is reduced as zeros and, if no rank
+            used it, not stepped; off: such a parameter is an error that names it.
+        max_reduce_buffers: ReduceScatters (each with its unit's full-size gradient buffer) in
+            flight at once.
+        label: prefix of the collectives' names.
         masters: id(parameter) -> its fp32 master value (mixed precision), or None.
         reduce_dtype: dtype of the gradients on the wire; None: the parameters' own.
     """
@@ -227,12 +92,13 @@ class ZeroThree:
         root: nn.Module,
         comm: Communicator,
         policy: WrapPolicy | None,
-        keys: dict[int, Hashable],
         *,
         prefetch: bool = True,
         prefetch_limit: int = 1,
         reshard_after_forward: bool = True,
         accumulate_unsharded: bool = False,
+        find_unused_parameters: bool = False,
+        max_reduce_buffers: int = 2,
         label: str = "zero3",
         masters: dict[int, Tensor] | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -243,31 +109,38 @@ class ZeroThree:
         self.prefetch_limit = prefetch_limit
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_unsharded = accumulate_unsharded
+        self.find_unused_parameters = find_unused_parameters
+        self.max_reduce_buffers = max_reduce_buffers
         self.sync_enabled = True  # False inside no_sync() when accumulate_unsharded
-        self.reduce_dtype = reduce_dtype  # gradients on the wire; None: the parameters' own
-        self.units = self._build_units(root, select_units(root, policy), keys, masters)
+        self.meter = GatherMeter()  # full parameters held gathered, now and at most
+        self.units = self._build_units(root, select_units(root, policy), masters, reduce_dtype)
         self.root_unit = self.units[0] if self.units and self.units[0].module is root else None
         self.forward_order: list[ShardedUnit] = []  # as observed in the first training forward
+        self.reduce_order: list[ShardedUnit] | None = None  # fixed at the first backward
         self._recording = True  # recording the forward order
-        self._finalize_queued = False  # end-of-backward callback queued
-        self._unit_of = {id(p): u for u in self.units for p in u.params}  # id(param) -> its unit
-        self.meter = GatherMeter()  # full parameters held gathered, now and at most
-        for unit in self.units:
-            unit.meter = self.meter
+        self._in_step = False  # inside the root's forward (a training or evaluation step)
+        self._next_reduce = 0  # position in reduce_order of the next ReduceScatter to issue
+        self._reducing: deque[ShardedUnit] = deque()  # ReduceScatters in flight, oldest first
+        self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
+        self._unit_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._handles = self._register_hooks(root)
 
-    def _build_units(
-        self, root: nn.Module, unit_modules: list, keys: dict, masters: dict | None
-    ) -> list[ShardedUnit]:
+    def _build_units(self, root: nn.Module, unit_modules: list, masters, reduce_dtype) -> list[ShardedUnit]:
         owner = _owning_units(root, unit_modules)
         units = []
         for name, module in unit_modules:
-            params = owner.items_for(name)
+            params = owner.get(name, [])
             if params:
-                unit_keys = [keys.get(id(p)) for _, p in params]
                 units.append(
                     ShardedUnit(
-                        name, module, params, unit_keys, self.comm, self.label, masters, self.reduce_dtype
+                        name,
+                        module,
+                        params,
+                        self.comm,
+                        self.label,
+                        masters=masters,
+                        reduce_dtype=reduce_dtype,
+                        meter=self.meter,
                     )
                 )
         return units
@@ -282,7 +155,9 @@ class ZeroThree:
                 handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
-                handles.append(module.register_forward_pre_hook(lambda *_: self._gather_root()))
+                handles.append(
+                    module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._gather_root()))
+                )
         return handles
 
     def remove_hooks(self) -> None:
@@ -297,24 +172,35 @@ class ZeroThree:
             self.root_unit.gather()
 
     def prepare_forward(self) -> None:
-        """The root's forward starts (training, validation or any other call through the wrapper)."""
+        """The root's forward starts (a step: training, evaluation, or any call through the wrapper)."""
+        self._in_step = True
         if self.root_unit is not None and self._recording and torch.is_grad_enabled():
             self.forward_order = [self.root_unit]
         self._gather_root()
 
     def finish_forward(self, output: Any) -> None:
-        """The root's forward ended: keep the root for backward, or free it when none follows."""
+        """The root's forward ended: keep the root for the backward that follows, or free it."""
+        self._in_step = False
         if self._recording and torch.is_grad_enabled() and self.forward_order:
             self._recording = False
-        if self.root_unit is None:
-            return
-        if _grad_tensors(output):
+        if self.root_unit is not None and _grad_tensors(output):
             self._register_pre_backward(self.root_unit, output)
-        else:
-            self.root_unit.reshard()
+            return
+        for unit in self.units:  # no backward follows: nothing stays gathered
+            if unit.pinned or unit is self.root_unit:
+                unit.reshard(force=True)
+
+    def abort_forward(self) -> None:
+        """The step raised: leave the step, run nothing collective (peers may be gone)."""
+        self._in_step = False
 
     def _pre_forward_hook(self, unit: ShardedUnit):
+        @torch.compiler.disable  # collectives and storage changes run eagerly, also in a compiled module
         def hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # recomputed by activation checkpointing: no forward-order prefetch
+                unit.gather()
+                return
+            unit.state = FORWARD
             unit.gather()
             if self._recording and torch.is_grad_enabled() and unit not in self.forward_order:
                 self.forward_order.append(unit)
@@ -323,22 +209,34 @@ class ZeroThree:
         return hook
 
     def _post_forward_hook(self, unit: ShardedUnit):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward() and unit.state is PRE_BACKWARD:
+                return  # recomputed in the middle of its own backward: it stays gathered
+            if unit.state is FORWARD:
+                unit.state = IDLE
             needs_backward = bool(_grad_tensors(output))
             if needs_backward:
                 self._register_pre_backward(unit, output)
             if not needs_backward or self.reshard_after_forward:
-                unit.reshard()
+                self._release(unit)
 
         return hook
 
     def _prefetch(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
+        """Start gathering the next units of ``order`` that still have a use ahead in this pass."""
         if not self.prefetch or self._recording or unit not in order:
             return
         start = order.index(unit) + 1
         for nxt in order[start : start + self.prefetch_limit]:
-            if nxt is not self.root_unit:
+            if nxt is not self.root_unit and nxt.state is not POST_BACKWARD:
                 nxt.gather(wait=False)
+
+    def _release(self, unit: ShardedUnit) -> None:
+        """Free a unit after use, unless it is the root during its step (or pinned)."""
+        if unit is self.root_unit and self._in_step:
+            return
+        unit.reshard()
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -349,9 +247,10 @@ class ZeroThree:
         )
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
-        if not self._finalize_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            self._finalize_queued = True
+        self._end.note()
+        if unit.state is POST_BACKWARD:  # outputs of a second call whose gradients already went out
+            return
+        unit.state = PRE_BACKWARD
         unit.gather()
         self._prefetch(unit, self._backward_order())
 
@@ -361,27 +260,83 @@ class ZeroThree:
         return ([self.root_unit] if self.root_unit is not None else []) + rest
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        unit = self._unit_of[id(param)]
-        unit.pending -= 1
-        if unit.pending == 0:
+        unit, position = self._unit_of[id(param)]
+        self._end.note()
+        if unit.note_grad(position):
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: ShardedUnit) -> None:
+        unit.state = POST_BACKWARD
         if self.sync_enabled:
-            unit.reduce_scatter()
-        unit.reshard()
+            self._reduce_ready_units()
+        self._release(unit)
+
+    def _plan_reduce_order(self) -> list[ShardedUnit]:
+        """The order of the ReduceScatters, the same on every rank; fixed at the first backward."""
+        if self.reduce_order is None:
+            others = [u for u in self.units if u is not self.root_unit]
+            seen = [u for u in reversed(self.forward_order) if u is not self.root_unit]
+            rest = [u for u in reversed(others) if u not in seen]
+            self.reduce_order = seen + rest + ([self.root_unit] if self.root_unit is not None else [])
+        return self.reduce_order
+
+    def _reduce_ready_units(self) -> None:
+        order = self._plan_reduce_order()
+        while self._next_reduce < len(order) and order[self._next_reduce].state is POST_BACKWARD:
+            self._reduce(order[self._next_reduce])
+            self._next_reduce += 1
+
+    def _reduce(self, unit: ShardedUnit) -> None:
+        """Start the unit's ReduceScatter, first finishing the oldest ones beyond the buffer limit."""
+        while len(self._reducing) >= self.max_reduce_buffers:
+            self._reducing.popleft().finish_reduce()
+        unit.reduce_scatter()
+        self._reducing.append(unit)
 
     def _finalize(self) -> None:
-        """End of backward: reduce what is left (unused parameters as zeros), wait, free."""
-        self._finalize_queued = False
+        """End of the outermost backward (see [Note: the schedule])."""
+        if self.sync_enabled:
+            missing = [(u, i) for u in self.units for i, used in enumerate(u.used) if not used]
+            for unit in self._plan_reduce_order()[self._next_reduce :]:
+                unit.state = POST_BACKWARD
+            self._reduce_ready_units()
+            used = self._globally_used() if self.find_unused_parameters else None
+            while self._reducing:
+                self._reducing.popleft().finish_reduce()
+            self._next_reduce = 0
         for unit in self.units:
-            if unit.pending > 0:  # some or all of its parameters got no gradient in this backward
-                self._unit_backward_done(unit)
+            unit.finish_gather()
+            if unit is not self.root_unit or not self._in_step:
+                unit.reshard(force=True)
+            unit.end_backward()
+        if self.sync_enabled:
+            self._check_unused(missing, used)
+
+    def _globally_used(self) -> list[list[bool]]:
+        """Per unit and parameter: some rank used it in this backward (one small AllReduce)."""
+        flags = [f for u in self.units for f in u.used]
+        device = self.units[0].full.device
+        used = torch.tensor(flags, dtype=torch.int32, device=device)
+        self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map", async_op=False)
+        counts, out = used.tolist(), []
         for unit in self.units:
-            unit.finish_reduce()
-            unit.pending = len(unit.params)
-            if unit.gathered:
-                unit.reshard()
+            out.append([c > 0 for c in counts[: len(unit.params)]])
+            counts = counts[len(unit.params) :]
+        return out
+
+    def _check_unused(self, missing: list, used: list[list[bool]] | None) -> None:
+        if used is not None:
+            for unit, mask in zip(self.units, used):
+                unit.flat.drop_unused(mask)
+            return
+        if missing:
+            names = [u.names[i] for u, i in missing]
+            raise UnusedParametersError(
+                f"{len(names)} parameter(s) that require grad got no gradient in this backward: "
+                f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. Every rank must reduce every "
+                "parameter each step. Either make sure they take part in the loss, freeze them "
+                "(requires_grad=False) before training, or pass find_unused_parameters=True to the strategy."
+            )
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -393,14 +348,22 @@ class ZeroThree:
 
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
-        """All units gathered inside (every rank must enter it together)."""
+        """Every unit's full parameters inside (see [Note: parameters outside forward]); every rank
+        must enter it together. Inside a step with gradients enabled the units stay gathered until
+        the end of the next backward; otherwise they are freed on leaving."""
         for unit in self.units:
-            unit.gather()
+            unit.gather(wait=False)
+        for unit in self.units:
+            unit.finish_gather()
         try:
             yield
         finally:
+            keep = self._in_step and torch.is_grad_enabled()
             for unit in self.units:
-                unit.reshard()
+                if keep:
+                    unit.pinned = True
+                else:
+                    self._release(unit)
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         """The module's state dict with full parameters (the optimizer's values), one unit at a time."""
@@ -410,16 +373,20 @@ class ZeroThree:
         for unit in self.units:
             unit.after_step()
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = True) -> None:
         for unit in self.units:
-            unit.release()
+            unit.release(wait=wait)
 
     def grad_tensors(self) -> list[Tensor]:
-        return [u.shard_grad for u in self.units if u.shard_grad is not None]
+        return [u.flat.grad for u in self.units if u.flat.grad is not None]
 
     def shard_tensors(self) -> list[Tensor]:
         """The persistent parameter shards (what gathers read; fp32 masters are optimizer state)."""
         return [u.param_shard for u in self.units]
+
+    def in_flight(self) -> list[Handle]:
+        """Collectives still in flight (none between steps)."""
+        return [h for u in self.units for h in (u.gather_handle, u.reduce_handle) if h is not None]
 
 
 def _grad_tensors(output: Any) -> list[Tensor]:
@@ -428,21 +395,13 @@ def _grad_tensors(output: Any) -> list[Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
 
 
-class _Ownership:
-    """Which unit owns which trainable parameter: the innermost unit whose subtree holds it."""
-
-    def __init__(self) -> None:
-        self.params: dict[str, list[tuple[str, nn.Parameter]]] = {}  # unit name -> params
-
-    def items_for(self, unit: str) -> list[tuple[str, nn.Parameter]]:
-        return self.params.get(unit, [])
-
-
-def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> _Ownership:
+def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> dict[str, list]:
+    """unit name -> (name, parameter) of the trainable parameters it owns: the innermost unit whose
+    subtree holds the parameter; a tied parameter must lie in one unit."""
     unit_names = [n for n, _ in unit_modules]
     owner_of_param: dict[int, str] = {}
     first_name: dict[int, str] = {}
-    ownership = _Ownership()
+    ownership: dict[str, list] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             continue
@@ -457,7 +416,7 @@ def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) ->
         if id(p) not in owner_of_param:
             owner_of_param[id(p)] = unit
             first_name[id(p)] = name
-            ownership.params.setdefault(unit, []).append((name, p))
+            ownership.setdefault(unit, []).append((name, p))
     return ownership
 
 

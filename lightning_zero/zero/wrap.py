@@ -99,8 +99,8 @@ def _check_classes_matched(root: nn.Module, policy: WrapPolicy, units: list) -> 
     classes = getattr(policy, "classes", None)
     if classes is None or len(units) > 1:
         return
-    found = sorted({type(m).__name__ for m in root.modules()})
-    wanted = ", ".join(c.__name__ for c in classes)
+    found = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in root.modules()})
+    wanted = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
     raise ValueError(
         f"wrap_policy classes {wanted} match no module of {type(root).__name__}; "
         f"module classes in the model: {', '.join(found)}"

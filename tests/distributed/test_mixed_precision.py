@@ -29,8 +29,10 @@ def _train(
     sgd: bool = False,
     reduce_dtype: str | None = None,
     micro: int = 1,
+    synced: bool = False,
 ) -> dict:
-    """``steps`` optimizer steps of ``micro`` micro-batches each (the first ones under no_sync)."""
+    """``steps`` optimizer steps of ``micro`` micro-batches each (the first ones under no_sync, or,
+    ``synced``, every one a synchronised backward: several backward passes before one step)."""
     model = models.build_stack(seed=100 + rank)
     comm = Communicator()
     broadcast_module_states(model, comm, label="t")
@@ -45,7 +47,7 @@ def _train(
     for step in range(steps):
         comm.ledger.begin_step(step)
         for m in range(micro):
-            with engine.no_sync() if m < micro - 1 else contextlib.nullcontext():
+            with engine.no_sync() if m < micro - 1 and not synced else contextlib.nullcontext():
                 wrapped(*models.rank_slice(batches[step * micro + m], rank)).backward()
         during = measure(model, engine.grad_tensors(), [])
         optimizer.step()
@@ -67,9 +69,13 @@ def _train(
     }
 
 
-def _all(rank: int, world: int, precision: str, sgd: bool = False, reduce_dtype=None, micro: int = 1) -> dict:
+def _all(
+    rank: int, world: int, precision: str, sgd: bool = False, reduce_dtype=None, micro: int = 1, synced=False
+) -> dict:
     return {
-        stage: _train(rank, world, stage, precision, sgd=sgd, reduce_dtype=reduce_dtype, micro=micro)
+        stage: _train(
+            rank, world, stage, precision, sgd=sgd, reduce_dtype=reduce_dtype, micro=micro, synced=synced
+        )
         for stage in (0, 1, 2, 3)
     }
 
@@ -159,18 +165,20 @@ def _reference_steps(world: int, steps: int, micro: int, lr: float) -> dict:
     return masters
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_fp32_reduce_of_bf16_gradients(tmp_path, micro):
+@pytest.mark.parametrize(("micro", "synced"), [(1, False), (2, False), (2, True)])
+def test_fp32_reduce_of_bf16_gradients(tmp_path, micro, synced):
     """reduce_dtype fp32 under bf16 parameters: every stage equals a reference that sums the bf16
-    gradients in fp32 (to fp32 rounding), and the bytes on the wire are fp32's."""
-    r = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, "fp32", micro)[0]
-    bf16 = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, None, micro)[0]
+    gradients in fp32 (to fp32 rounding), also with two synchronised backward passes before a step
+    (each sum added to the last, none replacing it), and the bytes on the wire are fp32's."""
+    r = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, "fp32", micro, synced)[0]
+    bf16 = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, None, micro, synced)[0]
     reference = _reference(2, steps=3, micro=micro)
     for stage in (0, 1, 2, 3):
         assert r[stage]["dtype"] == "torch.bfloat16"
         assert max_diff(r[stage]["state"], reference) <= 1e-6, stage
         assert r[stage]["reduce_bytes"] == 2 * bf16[stage]["reduce_bytes"], stage
-    assert r[0]["reduce_bytes"] == 4 * PSI  # one AllReduce per optimizer step, however many micro-batches
+    if not synced:  # one AllReduce per optimizer step, however many micro-batches
+        assert r[0]["reduce_bytes"] == 4 * PSI
     # the reference tells the two apart: summing in bf16 rounds the sum to 8 bits of mantissa
     assert max_diff(bf16[0]["state"], reference) > 1e-6
 

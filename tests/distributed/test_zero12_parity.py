@@ -9,9 +9,9 @@ import torch
 
 from lightning_zero.comm import Communicator
 from lightning_zero.config import ZeroConfig
-from lightning_zero.grad_sync import broadcast_module_states, trainable_parameters, wrap_module
+from lightning_zero.grad_sync import broadcast_module_states, wrap_module
 from lightning_zero.memory import measure
-from lightning_zero.zero import ShardedParams, ShardingError, param_group_keys
+from lightning_zero.zero import ShardedParams, ShardingError, check_shardable
 from tests.compare import max_diff, state_diff
 from tests.distributed import models
 from tests.distributed.harness import run_ranks
@@ -38,9 +38,7 @@ def _train(rank: int, world: int, stage: int, sc: dict) -> dict:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     extra = sc.get("config", {}) if stage == 2 else {}  # stage-2 options
     cfg = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **extra)
-    named = trainable_parameters(model)
-    keys = param_group_keys([opt], [p for _, p in named], [n for n, _ in named]) if stage else None
-    wrapped = wrap_module(model, comm, cfg, keys=keys)
+    wrapped = wrap_module(model, comm, cfg)
     sharded = None
     if stage:
         sharded = ShardedParams(wrapped.sync, comm)
@@ -168,11 +166,9 @@ def test_memory_per_rank(tmp_path, world):
 def _bad_optimizer(rank: int, world: int, kind: str) -> str:
     model = models.build(0)
     comm = Communicator()
-    named = trainable_parameters(model)
     try:
         if kind == "lbfgs":
-            opt = torch.optim.LBFGS(model.parameters())
-            param_group_keys([opt], [p for _, p in named], [n for n, _ in named])
+            check_shardable(torch.optim.LBFGS(model.parameters()))
         return ""
     except ShardingError as err:
         return str(err)
@@ -182,7 +178,7 @@ def _bad_optimizer(rank: int, world: int, kind: str) -> str:
 
 def test_lbfgs_is_refused_with_a_clear_error(tmp_path):
     message = run_ranks(_bad_optimizer, 2, tmp_path, "lbfgs")[0]
-    assert "LBFGS cannot be sharded" in message and "zero0" in message
+    assert "torch.optim.lbfgs.LBFGS is not known to be elementwise" in message and "zero0" in message
 
 
 class RowNorms(torch.optim.Optimizer):
@@ -203,10 +199,8 @@ class RowNorms(torch.optim.Optimizer):
 def _custom_state(rank: int, world: int) -> str:
     model = models.build(0)
     comm = Communicator()
-    opt = RowNorms(model.parameters())
-    named = trainable_parameters(model)
-    keys = param_group_keys([opt], [p for _, p in named], [n for n, _ in named])
-    wrapped = wrap_module(model, comm, ZeroConfig(stage=1), keys=keys)
+    opt = RowNorms(model.parameters())  # declared elementwise, yet its state says otherwise
+    wrapped = wrap_module(model, comm, ZeroConfig(stage=1))
     sharded = ShardedParams(wrapped.sync, comm)
     sharded.shard_optimizer(opt, 0)
     wrapped(*models.rank_slice(models.global_batches(1, world)[0], rank)).backward()

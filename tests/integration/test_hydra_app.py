@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 APP = REPO_ROOT / "examples" / "train.py"
@@ -40,8 +41,11 @@ def explain(result: subprocess.CompletedProcess) -> str:
 
 
 def test_short_run_lowers_the_validation_loss(tmp_path):
-    result = run_app([*SHORT, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    args = [*SHORT, "trainer.enable_checkpointing=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = run_app(args, cwd=tmp_path)
     assert result.returncode == 0, explain(result)
+    # Lightning's progress bar (rich's or tqdm's)
+    assert "Epoch 0" in result.stdout + result.stderr, explain(result)
     losses = [(int(step), float(loss)) for step, loss in VAL_LOSS.findall(result.stdout)]
     assert [step for step, _ in losses] == [0, 10], explain(result)  # sanity check, then the last step
     (final,) = (float(v) for v in FINAL.findall(result.stdout))
@@ -49,6 +53,10 @@ def test_short_run_lowers_the_validation_loss(tmp_path):
     assert final < losses[0][1] - 0.3, explain(result)  # ~4.6 (uniform over the vocabulary) -> ~3.9
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
     assert list((tmp_path / "run" / "lightning_logs").glob("version_*/metrics.csv"))
+    # configs/config.yaml `checkpoint`: the last step under a name known in advance (docs/checkpoints.md)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 10
 
 
 def test_multirun_sweeps_bucket_cap(tmp_path):
@@ -81,3 +89,12 @@ def test_bad_override_is_a_hydra_error_naming_the_key(tmp_path, override, messag
     assert result.returncode != 0
     assert message in result.stderr, explain(result)
     assert "Initializing distributed" not in result.stdout + result.stderr  # refused before any launch
+
+
+def test_unknown_strategy_lists_the_stages(tmp_path):
+    result = run_app(["strategy=zero9", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
+    assert result.returncode != 0
+    assert "Could not find 'strategy/zero9'" in result.stderr, explain(result)
+    listed = result.stderr.split("Available options in 'strategy':")[1].split("Config search path")[0]
+    assert listed.split() == ["zero0", "zero1", "zero2", "zero3"], explain(result)  # not the schema
+    assert "Initializing distributed" not in result.stdout + result.stderr

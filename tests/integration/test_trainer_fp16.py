@@ -167,8 +167,8 @@ def test_scaler_like_keeps_settings_and_state():
 def test_fp16_needs_a_plugin_that_can_scale():
     from lightning.pytorch.plugins.precision import HalfPrecision
 
-    from lightning_zero.precision import install_loss_scaling, resolve_policy
+    from lightning_zero.precision import resolve_policy, training_precision
 
     policy = resolve_policy("fp16", None, "32-true")
     with pytest.raises(ValueError, match="fp16.*loss scaling.*HalfPrecision"):
-        install_loss_scaling(HalfPrecision("16-true"), policy, None, "zero1", "cpu")
+        training_precision(HalfPrecision("16-true"), policy, None, "zero1", "cpu")

@@ -1,4 +1,4 @@
-"""Helpers for the multi-node tests: submitting to the cluster of .ci/slurm, reading the runs' records.
+"""Helpers for the multi-node tests: starting a cluster of .ci/slurm, submitting to it, reading the runs' records.
 
 The training runs use the Hydra app ``examples/train.py`` with ``RunDigest``
 (examples/slurm/callbacks.py), which writes one JSON record per rank: the tests assert on those.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CI_SLURM = REPO_ROOT / ".ci" / "slurm"
 SBATCH_SCRIPT = REPO_ROOT / "examples" / "slurm" / "train.sbatch"
-CLUSTER_DIR = Path(os.environ.get("LZ_SLURM_DIR", "/tmp/lightning_zero_slurm"))  # start.sh's default
+SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged", "mungekey")  # install.sh's
 
 # One optimizer step per epoch (128 windows = 4 ranks x 32), so that a checkpoint taken after any
 # step is an end-of-epoch one and a resumed run sees the same batches as an uninterrupted one
@@ -51,8 +53,8 @@ needs_app_callbacks = pytest.mark.skipif(
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment a job is submitted with (sbatch exports it to the job)."""
-    env = {**os.environ, "SLURM_CONF": str(CLUSTER_DIR / "etc" / "slurm.conf")}
+    """The environment a job is started with, without a cluster's (see ``SlurmCluster.job_env``)."""
+    env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", ""), "/usr/sbin"])
     env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
     for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK"):
@@ -96,17 +98,59 @@ class Job:
         return f"job {self.job_id}: {self.state}, ExitCode={self.fields.get('ExitCode')}\n--- log\n{self.log[-6000:]}"
 
 
-class SlurmCluster:
-    """Submit, signal and wait for jobs on the cluster of .ci/slurm/start.sh."""
+def missing_slurm_tools() -> list[str]:
+    """The programs of slurm-wlm and munge that are not installed here."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return [tool for tool in SLURM_TOOLS if shutil.which(tool, path=path) is None]
 
-    def __init__(self) -> None:
-        self.env = job_env()
+
+def start_cluster() -> SlurmCluster:
+    """A new two-node cluster (.ci/slurm/start.sh) in a folder of its own, on free ports.
+
+    Its processes are this cluster's alone: ``stop()`` ends them and removes the folder, and leaves
+    every other cluster on the host running.
+    """
+    # in /tmp, not below pytest's folder: munged wants every folder above its socket open to all
+    cluster_dir = Path(tempfile.mkdtemp(prefix="lightning_zero_slurm-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LZ_SLURM_")}  # start.sh picks the ports
+    env["LZ_SLURM_DIR"] = str(cluster_dir)
+    started = run(["bash", str(CI_SLURM / "start.sh")], timeout=180, env=env)
+    cluster = SlurmCluster(cluster_dir)
+    if started.returncode != 0:
+        cluster.stop()  # start.sh stops what it started; this removes the folder
+        raise RuntimeError(f".ci/slurm/start.sh failed (exit {started.returncode}):\n{started.stderr}")
+    return cluster
+
+
+class SlurmCluster:
+    """Submit, signal and wait for jobs on a cluster of .ci/slurm/start.sh (see ``start_cluster``)."""
+
+    def __init__(self, cluster_dir: Path) -> None:
+        self.dir = cluster_dir  # the cluster's folder: configuration, MUNGE socket, state, logs
+        self.conf = cluster_dir / "etc" / "slurm.conf"
+        self.env = self.job_env()
+
+    def job_env(self, **extra: str) -> dict[str, str]:
+        """``job_env`` for this cluster: its SLURM_CONF, and MASTER_ADDR, since n1 and n2 do not resolve."""
+        return job_env(**{"SLURM_CONF": str(self.conf), "MASTER_ADDR": "127.0.0.1", **extra})
+
+    def stop(self) -> None:
+        """End this cluster's daemons, jobs and tasks (.ci/slurm/stop.sh) and remove its folder."""
+        env = {**os.environ, "LZ_SLURM_DIR": str(self.dir)}
+        stopped = run(["bash", str(CI_SLURM / "stop.sh")], timeout=180, env=env)
+        assert stopped.returncode == 0, f".ci/slurm/stop.sh failed:\n{stopped.stderr}"
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _with_cluster(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` pointed at this cluster, whatever environment the caller built."""
+        return {"MASTER_ADDR": "127.0.0.1", **env, "SLURM_CONF": str(self.conf)}
 
     def scontrol_job(self, job_id: str) -> dict[str, str]:
         out = run(["scontrol", "show", "job", "-o", job_id], timeout=30, env=self.env).stdout
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
     def sbatch(self, args: list[str], *, env: dict[str, str]) -> str:
+        env = self._with_cluster(env)
         result = run(["sbatch", "--parsable", *args], timeout=30, env=env, cwd=REPO_ROOT)
         assert result.returncode == 0, f"sbatch failed:\n{result.stderr}"
         return result.stdout.strip().split(";")[0]
@@ -138,7 +182,7 @@ class SlurmCluster:
         """Submit examples/slurm/train.sbatch for 2 nodes x 2 tasks; returns the job id and its log file."""
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir.parent / f"{run_dir.name}.out"
-        env = job_env(RUN_DIR=str(run_dir))
+        env = self.job_env(RUN_DIR=str(run_dir))
         args = [
             f"--job-name={name}",
             f"--output={log}",

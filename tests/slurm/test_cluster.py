@@ -1,16 +1,15 @@
-"""The emulated cluster itself: srun places tasks on both nodes, and stop.sh leaves nothing running."""
+"""The emulated cluster itself: srun places tasks on both nodes, and stop.sh leaves nothing of its cluster running."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.runs import CI_SLURM, SlurmCluster, run
+from tests.slurm.runs import SlurmCluster, run, start_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -60,32 +59,34 @@ def cluster_processes(cluster_dir: Path) -> dict[int, str]:
 
 
 def test_stop_ends_daemons_and_running_jobs(slurm_cluster: SlurmCluster, tmp_path: Path):
-    """A second cluster on other ports, with a job running, is torn down to the last process."""
-    cluster_dir = tmp_path / "cluster"
-    env = {
-        **os.environ,
-        "LZ_SLURM_DIR": str(cluster_dir),
-        "LZ_SLURM_CTLD_PORT": "16827",
-        "LZ_SLURM_NODE_PORTS": "17011-17012",
-    }
+    """A second cluster, with a job running, is torn down to the last process; the first keeps running."""
+    second = start_cluster()
     try:
-        started = run(["bash", str(CI_SLURM / "start.sh")], timeout=120, env=env)
-        assert started.returncode == 0, started.stderr
-        job_env = {**env, "SLURM_CONF": str(cluster_dir / "etc" / "slurm.conf")}
+        assert second.dir != slurm_cluster.dir
+        assert conf_values(second.conf, "SlurmctldPort") != conf_values(slurm_cluster.conf, "SlurmctldPort")
         submitted = run(
             ["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'sleep.out'}",
              "--wrap", "srun sleep 600"],
-            timeout=30, env=job_env,
+            timeout=30, env=second.env,
         )  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
         deadline = time.monotonic() + 60
-        while (names := sorted(cluster_processes(cluster_dir).values())).count("sleep") < 4:
+        while (names := sorted(cluster_processes(second.dir).values())).count("sleep") < 4:
             assert time.monotonic() < deadline, f"the job's 4 tasks did not start: {names}"
             time.sleep(0.5)
         assert names.count("slurmd") == 2 and "slurmctld" in names and "slurmstepd" in names, names
+        assert names.count("munged") == 1, names  # the cluster's own
+        pid_files = {p.name: p.read_text().strip() for p in (second.dir / "run").glob("*.pid")}
     finally:
-        stopped = run(["bash", str(CI_SLURM / "stop.sh")], timeout=120, env=env)
-    assert stopped.returncode == 0, stopped.stderr
-    assert cluster_processes(cluster_dir) == {}
-    for pid_file in (cluster_dir / "run").glob("*.pid"):
-        assert not Path(f"/proc/{pid_file.read_text().strip()}").exists(), f"{pid_file.name} still alive"
+        second.stop()
+    assert cluster_processes(second.dir) == {}
+    for name, pid in pid_files.items():
+        assert not Path(f"/proc/{pid}").exists(), f"{name} still alive"
+    assert not second.dir.exists()
+    # the session's cluster did not notice
+    assert sorted(cluster_processes(slurm_cluster.dir).values()).count("slurmd") == 2
+    test_srun_places_two_tasks_on_each_of_two_nodes(slurm_cluster)
+
+
+def conf_values(conf: Path, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in conf.read_text().splitlines() if line.startswith(f"{key}=")]

@@ -31,7 +31,6 @@ from tests.slurm.runs import (
     ReferenceRuns,
     SlurmCluster,
     assert_two_nodes_in_step,
-    job_env,
     needs_app_callbacks,
     run,
     wait_for_text,
@@ -57,7 +56,9 @@ def _started(
         "--time=00:10:00",
         *args,
     ]
-    job_id = cluster.sbatch([*options, str(SBATCH_SCRIPT), *overrides], env=job_env(RUN_DIR=str(run_dir)))
+    job_id = cluster.sbatch(
+        [*options, str(SBATCH_SCRIPT), *overrides], env=cluster.job_env(RUN_DIR=str(run_dir))
+    )
     return job_id, log
 
 

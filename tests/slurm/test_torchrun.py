@@ -33,8 +33,7 @@ def torchrun_agent(port: int, run_dir: Path, log: Path) -> subprocess.Popen:
         "strategy=zero2", "trainer.num_nodes=2", "trainer.devices=2", f"hydra.run.dir={run_dir}",
         *TRAIN_OVERRIDES,
     ]  # fmt: skip
-    env = job_env()
-    env.pop("SLURM_CONF")
+    env = job_env()  # no cluster's SLURM_CONF: the ranks come from torchrun's rendezvous
     with log.open("w") as out:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 

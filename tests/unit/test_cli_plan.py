@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +214,64 @@ def test_plan_plain_text_without_rich(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "┃" not in out
     assert "64           120    31.4    16.6    1.88  ZeRO-1, ZeRO-2, ZeRO-3" in out
+
+
+# The command must answer without the heavy libraries: importing torch and Lightning takes seconds of
+# CPU (tens of seconds of wall time on a loaded machine), the planner itself a tenth of a second.
+HEAVY = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "numpy", "hydra", "omegaconf")
+
+
+def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the installed ``lightning-zero`` console script with ``-X importtime``; its top-level imports."""
+    script = Path(sys.executable).with_name("lightning-zero")
+    assert script.is_file(), f"{script} is missing: install the package (make install)"
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", str(script), *args], capture_output=True, text=True, timeout=120
+    )
+    lines = [
+        line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    ]
+    return result, {name.split(".")[0] for name in lines[1:]}  # lines[0] is the header
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--help"], "plan"),
+        (["plan", "--help"], "--bucket-sweep"),
+        (["plan", "--params", "7.5B", "-n", "64", "--memory", "80GB"], "ZeRO-1, ZeRO-2, ZeRO-3"),
+        (["plan", "--params", "70B", "-n", "8", "64", "--hardware", "h100-cluster", "--json"], '"threshold"'),
+    ],
+    ids=["help", "plan-help", "plan-params", "plan-hardware-json"],
+)
+def test_command_answers_without_torch_or_lightning(args, expected):
+    result, modules = imported_modules(*args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert expected in result.stdout
+    assert "lightning_zero" in modules and "lightning_zero_cli" in modules
+    assert sorted(modules.intersection(HEAVY)) == [], f"lightning-zero {' '.join(args)} imported them"
+
+
+def test_command_imports_torch_for_a_model_only(tmp_path):
+    result, modules = imported_modules("plan", "--model", "torch.nn:Transformer", "-n", "8", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["inputs"]["psi"] == 44_140_544
+    assert "torch" in modules
+
+
+def test_package_imported_by_the_command_loads_its_names_on_use():
+    code = (
+        "import lightning_zero_cli, sys\n"
+        "lightning_zero_cli.DEFER_REGISTRATION = True\n"
+        "import lightning_zero\n"
+        "lightning_zero_cli.DEFER_REGISTRATION = False\n"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules\n"
+        "print(lightning_zero.ZeroConfig(stage=2).stage, lightning_zero.ZeroStrategy.__name__)\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print('zero2' in StrategyRegistry)\n"
+        "import importlib; importlib.reload(lightning_zero)\n"
+        "print('zero2' in StrategyRegistry)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["2", "ZeroStrategy", "False", "True"]

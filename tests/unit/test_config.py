@@ -56,7 +56,9 @@ def test_registered_names_and_second_import():
 def test_hydra_schema_rejects_typos_and_wrong_types(tmp_path):
     register_hydra_schema()
     (tmp_path / "strategy").mkdir()
-    (tmp_path / "strategy" / "z.yaml").write_text("defaults:\n  - zero_schema\n  - _self_\nstage: 0\n")
+    (tmp_path / "strategy" / "z.yaml").write_text(
+        "defaults:\n  - /schema/strategy@_here_\n  - _self_\nstage: 0\n"
+    )
     (tmp_path / "config.yaml").write_text("defaults:\n  - strategy: z\n  - _self_\n")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
