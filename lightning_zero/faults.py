@@ -70,4 +70,3 @@ def publish(comm: Communicator, exception: BaseException, *, step: int | None) -
         except StoreUnreachable as err:
             log.warning("could not tell the other ranks why rank %d fails: %s", comm.rank, err)
     comm.mark_failed(exception)
-
