@@ -49,7 +49,9 @@ def table(shape: Shape, world: int, results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--adapters", type=int, default=0)

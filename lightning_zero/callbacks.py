@@ -16,6 +16,8 @@ step number the strategy's ledger uses (0 for the first optimizer step):
     zero/busy_time_max_s, zero/busy_time_min_s, zero/busy_time_max_over_min
     zero/loss_scale, zero/skipped_steps                        fp16 loss scaling: the scale after
                                                               the step, steps skipped so far
+                                                              (skipped_steps also with the
+                                                              nonfinite_grads="skip" guard)
 
 At the end of fit rank 0 prints the measured traffic and memory next to what
 :mod:`lightning_zero.planning` predicts for the same Ψ, N, stage, dtypes and optimizer. With a
@@ -265,10 +267,12 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
 
 
 def loss_scale_metrics(trainer: pl.Trainer) -> dict[str, float]:
-    """The loss scaler's scale and skipped steps (none without a :class:`ZeroGradScaler`)."""
+    """The loss scaler's scale and skipped steps, or the non-finite guard's skipped steps (none
+    without either)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if not isinstance(scaler, ZeroGradScaler) or not scaler.is_enabled():
-        return {}
+        guard = getattr(trainer.strategy, "nonfinite_guard", None)
+        return {} if guard is None else {PREFIX + "skipped_steps": float(guard.skipped_steps)}
     return {PREFIX + "loss_scale": scaler.get_scale(), PREFIX + "skipped_steps": float(scaler.skipped_steps)}
 
 
@@ -283,31 +287,25 @@ class _Window:
         self.elapsed = 0.0  # wall seconds of the closed segments
         self.open = False  # a segment is running
         self._start = 0.0  # perf_counter at the start of the open segment
-        self._index = 0  # len(ledger.records) at the start of the open segment
+        self._index = 0  # ledger.recorded at the start of the open segment
         self._waits: Counter[str] = Counter()  # ledger wait totals at the start of the open segment
         self.resume()
-
-    def _wait_totals(self) -> Counter[str]:
-        totals: Counter[str] = Counter()
-        for (_, op), seconds in self.ledger.waits.items() if self.ledger is not None else ():
-            totals[op] += seconds
-        return totals
 
     def resume(self) -> None:
         if self.open:
             return
         self.open, self._start = True, time.perf_counter()
-        if self.ledger is not None:
-            self._index, self._waits = len(self.ledger.records), self._wait_totals()
+        if self.ledger is not None:  # O(ops): see [Note: bounded ledger]
+            self._index, self._waits = self.ledger.recorded, self.ledger.wait_totals()
 
     def pause(self) -> None:
         if not self.open:
             return
         self.open = False
         self.elapsed += time.perf_counter() - self._start
-        if self.ledger is not None:
-            self.records.extend(self.ledger.records[self._index :])
-            self.waits.update(self._wait_totals() - self._waits)
+        if self.ledger is not None:  # O(collectives of the segment), whatever the run's length
+            self.records.extend(self.ledger.records_since(self._index))
+            self.waits.update(self.ledger.wait_totals() - self._waits)
 
 
 # --------------------------------------------------------------------------- the callback

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_STAGES = (0, 1, 2, 3)  # stages this build implements
-STATE_DICT_TYPES = ("full", "sharded")  # checkpoint forms (lightning_zero/checkpoint.py)
+STATE_DICT_TYPES = ("full", "sharded")  # checkpoint forms (lightning_zero/checkpoint/)
+NONFINITE_ACTIONS = ("off", "skip", "stop")  # what nonfinite_grads may ask for
 
 
 @dataclass
@@ -80,6 +81,28 @@ class ZeroConfig:
             every rank writes only its own shards, in parallel, into a directory in the
             ``torch.distributed.checkpoint`` format (docs/checkpoints.md). Either form resumes
             with any stage on any number of ranks.
+        ledger_records: how many of the latest collectives the communication ledger keeps in
+            detail (name, sizes); per-step aggregates and run totals are kept apart, so memory
+            stays bounded however long the run (docs/monitoring.md).
+        handle_signals: during fit, SIGTERM, SIGUSR1 and SIGINT only set a flag; at the next
+            optimizer-step boundary all ranks agree on it, save a checkpoint and stop with a
+            non-zero status that names the signal (under SLURM, SIGUSR1 also requeues the job).
+            Off: Lightning's own handlers, which run a collective inside the handler (docs/failures.md).
+        nonfinite_grads: a NaN or inf in the loss or the gradients of any rank: ``"off"`` (train
+            on, as torch DDP does), ``"skip"`` (every rank skips the optimizer step: weights and
+            optimizer state untouched, counted as a skipped step) or ``"stop"`` (every rank raises,
+            naming the ranks and the step). One AllReduce of 8N bytes per optimizer step when on.
+        watchdog_s: report a collective that waits longer than this many seconds: every rank's
+            last collective (sequence number, op, name, bytes) is exchanged through the process
+            group's store and printed, so a desync or a stuck rank is named. None: off.
+        fault_wait_s: when a collective fails, how long a rank waits for the failing rank's
+            message in the store before naming the ranks that left without one.
+        keep_previous_checkpoint: keep the previous version of a checkpoint that is overwritten
+            under the same name (``.NAME.previous``), so that a damaged ``last.ckpt`` falls back to
+            it; costs the disk space of one more copy per such name.
+        verify_checkpoints: check every tensor (full form) or chunk (sharded form) against the
+            CRC32 recorded when it was written, when loading; a mismatch is a CheckpointError
+            naming the file and the tensor.
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -102,6 +125,13 @@ class ZeroConfig:
         None  # stage 3: full weights into the module after fit; None: unless deferred
     )
     elementwise_optimizers: list[Any] = field(default_factory=list)  # extra optimizers safe to shard
+    ledger_records: int = 4_096  # collectives the ledger keeps in detail (bounded memory)
+    handle_signals: bool = True  # SIGTERM/SIGUSR1/SIGINT: save and stop at the next step boundary
+    nonfinite_grads: str = "off"  # NaN/inf loss or gradients on any rank: "off" | "skip" | "stop"
+    watchdog_s: float | None = None  # report collectives waiting longer than this; None: off
+    fault_wait_s: float = 3.0  # wait this long for a failing rank's message after a collective fails
+    keep_previous_checkpoint: bool = True  # keep .NAME.previous when NAME is overwritten
+    verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -133,6 +163,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if value is not None and value not in ("bf16", "fp16", "fp32"):
                 raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
+        self._check_failure_handling()
 
     def _check_stage3(self) -> None:
         _check_bool("prefetch", self.prefetch)
@@ -163,6 +194,20 @@ class ZeroConfig:
             from lightning_zero.zero.deferred import resolve_init_fn
 
             resolve_init_fn(self.param_init_fn)
+
+    def _check_failure_handling(self) -> None:
+        _check_int("ledger_records", self.ledger_records)
+        if self.ledger_records < 1:
+            raise ValueError(f"ledger_records must be >= 1, got {self.ledger_records}")
+        for name in ("handle_signals", "keep_previous_checkpoint", "verify_checkpoints"):
+            _check_bool(name, getattr(self, name))
+        if self.nonfinite_grads not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"nonfinite_grads must be one of {list(NONFINITE_ACTIONS)}, got {self.nonfinite_grads!r}"
+            )
+        if self.watchdog_s is not None:
+            _check_seconds("watchdog_s", self.watchdog_s)
+        _check_seconds("fault_wait_s", self.fault_wait_s)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
@@ -203,6 +248,13 @@ def _check_positive(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be > 0 (MiB), got {value!r}")
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
 
 
 def register_hydra_schema() -> None:

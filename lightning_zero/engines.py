@@ -184,7 +184,7 @@ class Engine:
                 self._restore_masters()
         self.finished = True
 
-    # -- what checkpoints read and write (lightning_zero/checkpoint.py) -------------------------
+    # -- what checkpoints read and write (lightning_zero/checkpoint/) -------------------------
 
     def flat_spaces(self) -> list[FlatParameter]:
         """The flat spaces whose ``shard`` holds the optimizer's values of their parameters."""

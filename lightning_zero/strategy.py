@@ -27,10 +27,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
-from lightning_zero.comm import CommLedger, Communicator
+from lightning_zero import faults
+from lightning_zero.comm import CommLedger, Communicator, is_distributed
+from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, make_engine
 from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
+from lightning_zero.guard import NonFiniteGuard
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import (
     install_sharded_clipping,
@@ -38,6 +41,7 @@ from lightning_zero.precision import (
     resolve_policy,
     training_precision,
 )
+from lightning_zero.signals import StepBoundary
 from lightning_zero.zero.deferred import is_deferred
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,15 @@ def _kept_on_meta(module: nn.Module | None) -> Generator[None, None, None]:
         yield
     finally:
         del module.cpu
+
+
+def _clear_stale_partials(trainer: pl.Trainer) -> None:
+    """What interrupted saves left (``.NAME.partial``) in the run's checkpoint folders."""
+    folders = {str(trainer.default_root_dir)}
+    folders |= {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
+    for folder in sorted(folders):
+        for stale in checkpoints.remove_stale_partials(folder):
+            log.info(f"removed {stale}, left by a save that did not finish")
 
 
 class ZeroStrategy(DDPStrategy):
@@ -105,13 +118,18 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._forward_redirection = _ForwardRedirection()
-        self._ledger = CommLedger()  # every collective of this strategy, per step
+        self._ledger = CommLedger(max_records=self._config.ledger_records)  # collectives, per step, bounded
         self._comm: Communicator | None = None  # built once the process group exists
         self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
         self._fitted: Engine | None = None  # the last fit's engine after teardown: its shards' state
-        self._failed = False  # an exception ends this run: teardown runs no collective
         self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
+        self._failed = False  # fit ended in a failure: teardown runs no collective (faults.py)
+        self._watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
+        self._boundary: StepBoundary | None = None  # signals and data agreed per batch (signals.py)
+        self._guard: NonFiniteGuard | None = (
+            None  # nonfinite_grads skip/stop, agreed by every rank (guard.py)
+        )
 
     @property
     def config(self) -> ZeroConfig:
@@ -121,6 +139,11 @@ class ZeroStrategy(DDPStrategy):
     def ledger(self) -> CommLedger:
         """Every collective issued by this strategy, grouped by optimizer step."""
         return self._ledger
+
+    @property
+    def nonfinite_guard(self) -> NonFiniteGuard | None:
+        """The non-finite guard while fitting with ``nonfinite_grads`` on (its ``skipped_steps``)."""
+        return self._guard
 
     @property
     def engine(self) -> Engine | None:
@@ -202,10 +225,17 @@ class ZeroStrategy(DDPStrategy):
             self.model_to_device()
             if not self._sharded_after_fit:
                 broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
+        self._watch_faults()
+        self._boundary = StepBoundary(self.comm, f"zero{self._config.stage}")
+        self._boundary.install(trainer, handle_signals=self._config.handle_signals)
+        if self.is_global_zero:
+            _clear_stale_partials(trainer)
         if fitting:
             cfg = self._config
             policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
             self._engine = make_engine(cfg, self.comm, policy)
+            off = cfg.nonfinite_grads == "off"
+            self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
             self._user_precision_plugin = self.precision_plugin
             self.precision_plugin = training_precision(
                 self.precision_plugin, policy, self.comm, self._engine.label, self.root_device.type
@@ -221,6 +251,22 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None and self._engine.sharded:
             install_sharded_clipping(self.precision_plugin, self._clip_grad_norm)
+
+    def _watch_faults(self) -> None:
+        """Every rank's host known, the fault board open, the watchdog on if asked (docs/failures.md)."""
+        self._failed = False
+        self.comm.watch_faults(fault_wait_s=self._config.fault_wait_s)
+        if self.comm.active and self._watchdog is None:  # heartbeat; reports with watchdog_s
+            self._watchdog = Watchdog(self.comm, self._config.watchdog_s)
+            self._watchdog.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell every rank why this one fails, through the store (see ``faults.py``)."""
+        super().on_exception(exception)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        step = trainer.global_step if trainer is not None else None
+        self._failed = faults.on_fit_exception(self.comm, exception, step=step)
 
     @override
     def configure_ddp(self) -> None:
@@ -263,7 +309,15 @@ class ZeroStrategy(DDPStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        guard = (
+            self._guard if getattr(self.precision_plugin, "scaler", None) is None else None
+        )  # fp16: the scaler's
+        if guard is None:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            step = self.lightning_module.trainer.global_step
+            with guard.guarding(optimizer, step=step, device=self.root_device):
+                output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             index = self._optimizer_index(optimizer)
             self._engine.after_step(self.optimizers[index], index)
@@ -313,7 +367,7 @@ class ZeroStrategy(DDPStrategy):
         """The checkpoint's model state under the original names. Full form: parameters that live in
         shards (stage 3; the fp32 masters of stages 1-2) as stand-ins that ``save_checkpoint`` writes
         while it gathers them (see [Note: streamed full checkpoints]; for values use
-        :meth:`full_state_dict`). Sharded form: this rank's slices (see ``checkpoint.py``)."""
+        :meth:`full_state_dict`). Sharded form: this rank's slices (see the ``checkpoint`` package)."""
         assert self.lightning_module is not None
         engine = self._state_engine
         if self._config.state_dict_type == "sharded":
@@ -336,21 +390,37 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         """Rank 0 writes one file (``"full"``), or every rank its shards into a directory (``"sharded"``);
         under the final name only once complete. All ranks call it."""
+        if self._boundary is not None:
+            with self._boundary.saving():  # a second signal lets the save complete (signals.py)
+                self._save_checkpoint(checkpoint, filepath, storage_options)
+        else:
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
+    ) -> None:
         path = self._shared_path(filepath)
+        keep = self._config.keep_previous_checkpoint
         if self._config.state_dict_type == "full":
-            engine = self._state_engine
-            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options, engine)
+            checkpoints.save_full(
+                checkpoint, path, self.comm, self.checkpoint_io, storage_options,
+                engine=self._state_engine, keep_previous=keep,
+            )  # fmt: skip
             return
         if storage_options is not None:
             raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
         module, stage = self.lightning_module, self._config.stage
         layout = checkpoints.layout_of(module, self._state_engine, stage, self.comm.world_size)
-        checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout)
+        checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout, keep_previous=keep)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A full file, or a sharded directory's entries with stand-ins that each rank reads later."""
-        return checkpoints.read(self._shared_path(checkpoint_path), self.checkpoint_io, weights_only)
+        """A full file, or a sharded directory's entries with stand-ins that each rank reads later;
+        checked against its checksums, the previous intact one if it is damaged (docs/checkpoints.md)."""
+        path, verify = self._shared_path(checkpoint_path), self._config.verify_checkpoints
+        return checkpoints.read_or_fallback(
+            path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -379,17 +449,57 @@ class ZeroStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         assert self.lightning_module is not None
-        self._ledger.begin_step(self.lightning_module.trainer.global_step)
+        trainer = self.lightning_module.trainer
+        self._ledger.begin_step(trainer.global_step)
+        if self._boundary is not None:
+            self._boundary.agree(trainer, batch_idx)  # signals and last batches, every rank's
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        super().on_exception(exception)
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barriers go through the communicator: a peer's failure ends them too."""
+        if is_distributed():
+            self.comm.barrier(name=f"lightning/{name or 'barrier'}", control=True)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Lightning's reduce (``self.log(sync_dist=True)``), tracked for the watchdog (watchdog.py)."""
+        with self._tracked("lightning/reduce"):
+            return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Lightning's all-gather, tracked for the watchdog as the reduce is."""
+        with self._tracked("lightning/all_gather"):
+            return super().all_gather(tensor, group, sync_grads)
+
+    @contextmanager
+    def _tracked(self, name: str) -> Generator[None, None, None]:
+        if not is_distributed():
+            yield
+            return
+        tracker = self.comm.tracker
+        with tracker.blocked_in(tracker.issue("lightning", name, 0)):
+            yield
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's object broadcasts go through the communicator, as the barriers do."""
+        if not is_distributed():
+            return obj
+        return self.comm.broadcast_object(
+            obj, src=src, name="lightning/broadcast", device=self.root_device, control=True
+        )
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._boundary is not None:
+            self._boundary.uninstall()
+            self._boundary = None
         if self._engine is not None:
-            self._engine.teardown(failed=self._failed)
+            self._engine.teardown(failed=self._failed)  # no collective after a failure
             if self._engine.sharded:
                 remove_sharded_clipping(self.precision_plugin)
             if self._user_precision_plugin is not None:

@@ -1,11 +1,15 @@
-"""Callbacks for SLURM jobs: preemption that is safe under ZeRO, and a per-rank record of a run.
+"""Callbacks for SLURM jobs: step-boundary preemption for strategies that lack it, and a per-rank
+record of a run.
 
-``RequeueOnSignal`` replaces Lightning's own SLURM auto-requeue handler (see the Note below);
-``RunDigest`` writes, for each rank, what the SLURM tests check: ranks, world size, the validation
-losses and a hash of the final parameters. Both are added to the Hydra app by the batch script
-``examples/slurm/train.sbatch``:
+``ZeroStrategy`` handles SLURM's signals itself (``handle_signals``, lightning_zero/signals.py:
+SIGUSR1 saves and requeues, SIGTERM saves and stops), so ``examples/slurm/train.sbatch`` adds no
+callback for it. ``RequeueOnSignal`` does the SIGUSR1 part for other strategies (Lightning's
+``ddp``, say), whose own SLURM handler saves from inside the signal handler (see the Note below);
+with a ZeroStrategy it takes SIGUSR1 over (the strategy leaves a SIGUSR1 handler installed by
+someone else in place). ``RunDigest`` writes, for each rank, what the SLURM tests check: ranks,
+world size, the validation losses and a hash of the final parameters:
 
-    srun python examples/train.py +callbacks.requeue._target_=examples.slurm.callbacks.RequeueOnSignal
+    srun python examples/train.py +callbacks.digest._target_=examples.slurm.callbacks.RunDigest
 """
 
 from __future__ import annotations

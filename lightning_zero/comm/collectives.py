@@ -6,48 +6,145 @@ Every collective goes through a :class:`Communicator`, which records it in the l
 
 With a world size of 1 (or no process group) every collective is a no-op that completes at once
 and nothing is recorded: one process has nobody to talk to.
+
+[Note: waiting without hanging]
+Every collective gets a sequence number ([Note: collective sequence numbers] in ``tracker.py``)
+and a wait that can end for a reason other than the collective completing. On gloo (any backend
+whose ``wait`` blocks the host) ``Handle.wait`` waits in slices of ``POLL_S`` seconds and, between
+two slices, reads the fault board: a peer that published an error ([Note: failures travel through
+the store] in ``faults.py``) ends the wait at once with that peer's message, as does a desync the
+watchdog found (``watchdog.py``), or a peer found dead (its pid on this host, its heartbeat). Two
+quirks of gloo shape the loop: a failed work does not report ``is_completed()`` (the slice's own
+"Operation timed out!" tells a running collective from a failed one), and the reduce-scatter's
+``wait`` ignores its timeout, so that one waits in a daemon thread (``_Waiter``) while the caller
+waits in slices on an event. On NCCL ``wait`` does not block the host (the stream waits), so
+the board is read by the watchdog thread instead. A collective that fails is explained from the
+board: :class:`PeerFailure` with the failing rank's message, or the ranks that left without one.
+
+After a failure a process must not tear the group down: gloo joins its worker threads, which
+wait for collectives that will never complete (until the group's timeout, 30 minutes by
+default). A Communicator that failed (or that the strategy marked failed) therefore makes the
+process leave at exit without destroying the group (status 1, logs flushed), and any further
+collective on it raises at once instead of waiting.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import pickle
+import queue
+import threading
 import time
 import warnings
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.ledger import CommLedger, CommRecord
+from lightning_zero.comm.faults import (
+    FaultBoard,
+    Liveness,
+    PeerFailure,
+    RankInfo,
+    StoreUnreachable,
+    fault_message,
+    leave_without_destroying,
+    lost_message,
+    process_exists,
+    store_lost_message,
+    this_process,
+)
+from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.tracker import CollectiveTracker, Issued
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+POLL_S = 1.0  # slice of a host-blocking wait between two reads of the fault board
+SLICE_TIMEOUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice runs out
+STALL_FACTOR, MIN_STALL_S = 3, 10.0  # a heartbeat still for max(3 x fault_wait_s, 10 s): a lost rank
+_FAILED: dict[str, Any] = {"group": None, "comm": None}  # the group and Communicator this process failed in
+
+log = logging.getLogger(__name__)
+
+
+class _Waiting:
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: Any) -> None:
+        self.work = work  # a torch Work
+        self.done = threading.Event()  # set once work.wait() returned or raised
+        self.error: BaseException | None = None  # what it raised
+
+
+class _Waiter:
+    """One daemon thread that blocks in ``Work.wait()`` for the works whose timed wait is ignored
+    (gloo's reduce-scatter: its work neither times out nor reports a failure through
+    ``is_completed``), so that the caller can wait in slices (see [Note: waiting without hanging])."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Waiting] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> _Waiting:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lightning_zero-waiter", daemon=True)
+            self._thread.start()
+        waiting = _Waiting(work)
+        self._queue.put(waiting)
+        return waiting
+
+    def _run(self) -> None:
+        while True:
+            waiting = self._queue.get()
+            try:
+                waiting.work.wait()
+            except BaseException as err:  # handed to the caller
+                waiting.error = err
+            finally:
+                waiting.done.set()
+
+
+_WAITER = _Waiter()
+_UNTIMED_OPS = ("reduce_scatter",)  # gloo ops whose Work.wait(timeout) blocks past the timeout
+
+
+class CollectivesStopped(RuntimeError):
+    """A collective asked for after this rank failed, or while the ranks are out of step."""
 
 
 class Handle:
     """An issued collective; ``wait()`` blocks until its result is in the output tensor.
 
     The time a caller spends blocked in ``wait()`` is communication that computation did not
-    hide (exposed communication); it is added to the ledger under the collective's op.
+    hide (exposed communication); it is added to the ledger under the collective's op (control
+    collectives: not at all). See [Note: waiting without hanging].
     """
 
-    def __init__(self, work: Any | None = None, ledger: CommLedger | None = None, op: str = "") -> None:
+    def __init__(
+        self,
+        work: Any | None = None,
+        comm: Communicator | None = None,
+        op: str | None = None,
+        issued: Issued | None = None,
+    ) -> None:
         self._work = work  # torch Work object, None when the collective was a no-op
-        self._ledger = ledger  # where the blocked time goes
-        self._op = op  # the collective's op, the ledger's key for it
+        self._comm = comm  # waits for it, explains its failure
+        self._op = op  # the ledger's key for the blocked time; None: a control collective
+        self._issued = issued  # its sequence number, op, name and bytes
 
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
-            if self._ledger is not None:
-                self._ledger.add_wait(self._op, time.perf_counter() - start)
+            self._comm.wait_for(self._work, self._issued)
+            if self._op is not None:
+                self._comm.ledger.add_wait(self._op, time.perf_counter() - start)
             self._work = None
 
     @property
@@ -69,8 +166,13 @@ def _destroy_at_exit() -> None:
     """
 
     def destroy() -> None:
-        if is_distributed():
-            dist.destroy_process_group()
+        if not is_distributed():
+            return
+        failed = _FAILED["comm"]
+        if failed is not None and _FAILED["group"] is dist.group.WORLD:
+            failed.linger_for_peers()
+            leave_without_destroying()  # see [Note: waiting without hanging]
+        dist.destroy_process_group()
 
     atexit.register(destroy)
 
@@ -88,6 +190,16 @@ class Communicator:
         self.ledger = ledger if ledger is not None else CommLedger()  # record of every collective
         self.world_size = dist.get_world_size(group) if is_distributed() else 1  # N
         self.rank = dist.get_rank(group) if is_distributed() else 0  # this rank within the group
+        self.tracker = CollectiveTracker()  # sequence numbers; the collective this rank is blocked in
+        self.board: FaultBoard | None = None  # faults in the store, once watch_faults() ran
+        self.ranks: list[RankInfo] = [this_process(self.rank)]  # every rank's host and pid
+        self.fault_wait_s = 3.0  # how long a failed collective waits for the failing rank's message
+        self.failure: BaseException | None = None  # what this rank failed with; no collective after it
+        self.published = False  # this rank wrote its failure to the board (faults.publish)
+        self.stop_reason: str | None = None  # set by the watchdog: the ranks are out of step for good
+        self.on_poll: Callable[[], None] | None = None  # the watchdog's check, between two wait slices
+        self.liveness: Liveness | None = None  # dead peers, while this rank waits (watch_faults)
+        self._blocking_waits = is_distributed() and dist.get_backend(group) != "nccl"  # gloo, mpi, ...
         if is_distributed():
             _destroy_at_exit()
 
@@ -95,12 +207,169 @@ class Communicator:
     def active(self) -> bool:
         return self.world_size > 1
 
-    def _issue(self, op: str, name: str, payload_bytes: int, launch: Any) -> Handle:
+    def watch_faults(self, *, fault_wait_s: float = 3.0) -> None:
+        """Exchange every rank's host and pid (a collective, once) and open the fault board in the
+        process group's store (see [Note: failures travel through the store])."""
+        if not self.active or self.board is not None:
+            return
+        self.fault_wait_s = fault_wait_s
+        store = dist.distributed_c10d._get_default_store()  # the store every rank reached at init
+        board = FaultBoard.open(store, self.rank, self.world_size)
+        self.ranks = self.all_gather_object(this_process(self.rank), name="faults/ranks")  # all opened
+        self.board = board
+        self.liveness = self.new_liveness()
+
+    def new_liveness(self) -> Liveness:
+        """A watch on dead peers: heartbeats still for max(3 x fault_wait_s, 10 s) mean gone."""
+        stall_s = max(STALL_FACTOR * self.fault_wait_s, MIN_STALL_S)
+        return Liveness(self.board, self.ranks, self.rank, stall_s)
+
+    def mark_failed(self, error: BaseException) -> None:
+        """This rank fails: no collective after this; the process leaves without destroying the group."""
+        if self.failure is None:
+            self.failure = error
+        if is_distributed():
+            _FAILED["group"], _FAILED["comm"] = dist.group.WORLD, self
+
+    def linger_for_peers(self) -> None:
+        """Rank 0 hosts the store: before it leaves after a failure, give the other ranks
+        ``fault_wait_s`` (and two poll slices) to read the board, until each has noted itself or
+        published a fault (a rank known dead is not waited for)."""
+        if self.board is None or self.rank != 0:
+            return
+        deadline = time.monotonic() + self.fault_wait_s + 2 * POLL_S
+        others = {i.rank for i in self.ranks[1:] if process_exists(i) is not False}
+        try:
+            while time.monotonic() < deadline:
+                if others <= self.board.noted() | {f.rank for f in self.board.faults()}:
+                    return
+                time.sleep(0.1)
+        except StoreUnreachable:
+            return
+
+    def _issue(self, op: str, name: str, payload_bytes: int, launch: Any, *, control: bool = False) -> Handle:
         if not self.active:
             return Handle()
-        self.ledger.record(op, name, payload_bytes, self.world_size)
+        self._check_can_issue(name)
+        if control:
+            self.ledger.record_control(payload_bytes, self.world_size)
+        else:
+            self.ledger.record(op, name, payload_bytes, self.world_size)
+        issued = self.tracker.issue(op, name, payload_bytes)
         with torch.profiler.record_function(name):
-            return Handle(launch(), self.ledger, op)
+            work = launch()  # an error here is this rank's own (a bad argument): raised as it is
+        self.tracker.launched(issued, work)
+        return Handle(work, self, None if control else op, issued)
+
+    def _check_can_issue(self, name: str) -> None:
+        if self.failure is not None:
+            raise CollectivesStopped(
+                f"collective {name} not issued: rank {self.rank} already failed ({self.failure!r}); "
+                "no collective runs after a failure, so that no rank waits for it"
+            )
+        if self.stop_reason is not None:
+            raise CollectivesStopped(self.stop_reason)
+
+    # -- waiting (see [Note: waiting without hanging]) -----------------------------------------
+
+    def wait_for(self, work: Any, issued: Issued | None) -> None:
+        """Block until ``work`` completes; a failure is raised with the failing rank's message."""
+        if self.liveness is not None:
+            self.liveness.reset()
+        with self.tracker.blocked_in(issued):
+            try:
+                if self._blocking_waits:
+                    self._wait_in_slices(work, issued)
+                else:
+                    work.wait()
+            except (PeerFailure, CollectivesStopped) as err:
+                self.mark_failed(err)
+                self._note(issued)
+                raise
+            except Exception as err:
+                explained = self.explain(err, issued)
+                if explained is None:
+                    raise
+                raise explained from err
+
+    def _wait_in_slices(self, work: Any, issued: Issued | None) -> None:
+        if issued is not None and issued.op in _UNTIMED_OPS and not work.is_completed():
+            self._wait_in_background(work, issued)
+            return
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S))
+                return
+            except RuntimeError as err:
+                # the slice ran out: "Operation timed out!" on a work still running; anything else
+                # is the collective's failure (a failed gloo work does not report is_completed)
+                if work.is_completed() or SLICE_TIMEOUT not in str(err):
+                    raise  # explained by the caller
+            self._between_slices(issued)  # the collective is still running
+
+    def _wait_in_background(self, work: Any, issued: Issued | None) -> None:
+        """A work whose ``wait`` ignores its timeout waits in the waiter thread; this one reads the
+        board between slices (a collective that never ends leaves that thread blocked: failure)."""
+        waiting = _WAITER.submit(work)
+        while not waiting.done.wait(POLL_S):
+            self._between_slices(issued)
+        if waiting.error is not None:
+            raise waiting.error
+
+    def _between_slices(self, issued: Issued | None) -> None:
+        if self.on_poll is not None:
+            self.on_poll()
+        if self.stop_reason is not None:
+            raise CollectivesStopped(self.stop_reason)
+        if self.board is None:
+            return
+        where = issued.describe() if issued is not None else "a collective"
+        try:
+            published = self.board.fault_count() > 0
+            faults = [f for f in self.board.faults() if f.rank != self.rank] if published else []
+            stop = self.board.stop_reason() if published else None
+            if faults or stop:
+                self.board.note(self.rank, where)  # read: the failing rank may leave now
+            lost, silent_s = self.liveness.lost() if self.liveness is not None else ([], None)
+        except StoreUnreachable as err:
+            raise PeerFailure(store_lost_message(self.ranks, self.rank, where, err)) from err
+        if stop:
+            raise CollectivesStopped(stop)
+        if faults:
+            raise PeerFailure(fault_message(faults, self.rank, where, None), faults)
+        if lost:
+            raise PeerFailure(lost_message(lost, self.rank, where, None, silent_s=silent_s), lost=lost)
+
+    def _note(self, issued: Issued | None) -> None:
+        """Tell rank 0 (the store's host, lingering after a failure) that this rank has read the board."""
+        if self.board is not None:
+            try:
+                self.board.note(self.rank, issued.describe() if issued is not None else "a collective")
+            except StoreUnreachable:
+                pass
+
+    def explain(self, err: BaseException, issued: Issued | None) -> PeerFailure | None:
+        """Why ``err`` ended this rank's collective, read from the fault board; None when the board
+        knows nothing (no board, or every rank answered and none failed: the backend's own error)."""
+        self.mark_failed(err)
+        if self.board is None:
+            return None
+        where = issued.describe() if issued is not None else "a collective"
+        try:
+            self.board.note(self.rank, where)
+            gone = [i for i in self.ranks if i.rank != self.rank and process_exists(i) is False]
+            if gone and not self.board.fault_count():  # dead for sure, and said nothing: no need to wait
+                return PeerFailure(lost_message(gone, self.rank, where, err), lost=gone)
+            faults, silent = self.board.wait_for_cause(self.fault_wait_s)
+        except StoreUnreachable:
+            return PeerFailure(store_lost_message(self.ranks, self.rank, where, err))
+        faults = [f for f in faults if f.rank != self.rank]
+        if faults:
+            return PeerFailure(fault_message(faults, self.rank, where, err), faults)
+        if silent:
+            lost = [self.ranks[r] for r in sorted(silent)]
+            return PeerFailure(lost_message(lost, self.rank, where, err), lost=lost)
+        return None
 
     def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Sum ``tensor`` in place across ranks."""
@@ -142,7 +411,7 @@ class Communicator:
             handle.wait()
         return handle
 
-    def broadcast(self, tensor: Tensor, *, src: int = 0, name: str) -> None:
+    def broadcast(self, tensor: Tensor, *, src: int = 0, name: str, control: bool = False) -> None:
         """Overwrite ``tensor`` on every rank with rank ``src``'s value (synchronous)."""
         nbytes = tensor.numel() * tensor.element_size()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
@@ -151,6 +420,7 @@ class Communicator:
             name,
             nbytes,
             lambda: dist.broadcast(tensor, src_global, group=self.group, async_op=True),
+            control=control,
         ).wait()
 
     def broadcast_tensors(self, tensors: Sequence[Tensor], *, src: int = 0, name: str) -> None:
@@ -163,25 +433,62 @@ class Communicator:
                 t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def broadcast_object(self, obj: Any, *, src: int = 0, name: str, device: torch.device) -> Any:
-        """Rank ``src``'s picklable ``obj`` on every rank."""
+    def broadcast_object(
+        self, obj: Any, *, src: int = 0, name: str, device: torch.device, control: bool = False
+    ) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank (``control``: counted apart in the ledger)."""
         if not self.active:
             return obj
         data = pickle.dumps(obj) if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        self.broadcast(size, src=src, name=f"{name}/size")
+        self.broadcast(size, src=src, name=f"{name}/size", control=control)
         buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
         if self.rank == src:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast(buf, src=src, name=name)
+        self.broadcast(buf, src=src, name=name, control=control)
         return pickle.loads(buf.cpu().numpy().tobytes())
+
+    # -- control collectives (counted apart: see [Note: bounded ledger]) ------------------------
+
+    def agree(self, flags: int, *, name: str, device: torch.device) -> list[int]:
+        """Every rank's ``flags`` on every rank: one AllReduce of N int64 (each rank fills its slot)."""
+        if not self.active:
+            return [flags]
+        table = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        table[self.rank] = flags
+        launch = lambda: dist.all_reduce(table, group=self.group, async_op=True)  # noqa: E731
+        self._issue("agree", name, table.numel() * table.element_size(), launch, control=True).wait()
+        return table.tolist()
+
+    def all_gather_object(self, obj: Any, *, name: str) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank (synchronous)."""
+        if not self.active:
+            return [obj]
+        self._check_can_issue(name)
+        self.ledger.record_control(0, self.world_size)
+        issued = self.tracker.issue("agree", name, 0)
+        out: list[Any] = [None] * self.world_size
+        with self.tracker.blocked_in(issued), torch.profiler.record_function(name):
+            try:
+                dist.all_gather_object(out, obj, group=self.group)
+            except Exception as err:
+                explained = self.explain(err, issued)
+                if explained is None:
+                    raise
+                raise explained from err
+        return out
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def _record_unmodelled(self, op: str, name: str, payload_bytes: int, wire: float) -> None:
-        """Record an op outside the ledger's ring model (gather, barrier) with its own wire bytes."""
-        record = CommRecord(self.ledger.step, op, name, payload_bytes, wire, self.world_size)
-        self.ledger.records.append(record)
+    def _issue_unmodelled(self, op: str, name: str, payload_bytes: int, wire: float, launch: Any) -> Handle:
+        """An op outside the ledger's ring model (gather, barrier), recorded with its own wire bytes."""
+        self._check_can_issue(name)
+        self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
+        issued = self.tracker.issue(op, name, payload_bytes)
+        with torch.profiler.record_function(name):
+            work = launch()
+        self.tracker.launched(issued, work)
+        return Handle(work, self, op, issued)
 
     def gather(self, output: Tensor | None, input: Tensor, *, dst: int = 0, name: str) -> None:
         """Every rank's ``input`` (1D, one shard) concatenated into ``output`` (1D, N x shard) on rank
@@ -193,35 +500,35 @@ class Communicator:
             output.copy_(input)
             return
         nbytes = input.numel() * input.element_size()
-        self._record_unmodelled("gather", name, nbytes * self.world_size, float(nbytes))
         chunks = list(output.chunk(self.world_size)) if self.rank == dst else None
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        with torch.profiler.record_function(name):
-            work = dist.gather(input, chunks, dst=dst_global, group=self.group, async_op=True)
-        Handle(work, self.ledger, "gather").wait()
+        launch = lambda: dist.gather(input, chunks, dst=dst_global, group=self.group, async_op=True)  # noqa: E731
+        self._issue_unmodelled("gather", name, nbytes * self.world_size, float(nbytes), launch).wait()
 
-    def barrier(self, *, name: str) -> None:
-        """Return once every rank of the group has arrived here."""
+    def barrier(self, *, name: str, control: bool = False) -> None:
+        """Return once every rank of the group has arrived here (``control``: counted apart)."""
         if not self.active:
             return
-        self._record_unmodelled("barrier", name, 0, 0.0)
-        with torch.profiler.record_function(name):
-            if dist.get_backend(self.group) == "nccl":
-                dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
-            else:
-                dist.barrier(group=self.group)
+        nccl = dist.get_backend(self.group) == "nccl"
+        device_ids = [torch.cuda.current_device()] if nccl else None
+        launch = lambda: dist.barrier(group=self.group, async_op=True, device_ids=device_ids)  # noqa: E731
+        if control:
+            self._issue("barrier", name, 0, launch, control=True).wait()
+        else:
+            self._issue_unmodelled("barrier", name, 0, 0.0, launch).wait()
 
     def save_checkpoint_items(
         self, state_dict: dict[str, Any], writer: Any, planner: Any, *, name: str, local: bool = False
-    ) -> None:
+    ) -> Any:
         """``torch.distributed.checkpoint.save``: every rank writes its own items in parallel, the
         coordinator (rank 0) writes the metadata once all have written (a collective, unless
         ``local``). DCP's small planning collectives carry plans, not tensors: not in the ledger.
+        Returns DCP's Metadata of the whole checkpoint (every rank gets it).
         """
         from torch.distributed import checkpoint as dcp
 
         with self._dcp_call(name, local) as no_dist:
-            dcp.save(
+            return dcp.save(
                 state_dict, storage_writer=writer, planner=planner, process_group=self.group, no_dist=no_dist
             )
 
@@ -239,11 +546,48 @@ class Communicator:
 
     @contextmanager
     def _dcp_call(self, name: str, local: bool) -> Generator[bool, None, None]:
-        """Around a DCP save or load: named for the profiler; yields DCP's ``no_dist``."""
-        with torch.profiler.record_function(name), warnings.catch_warnings():
+        """Around a DCP save or load: named for the profiler, tracked as one collective (its inner
+        collectives are DCP's own), a peer's failure explained; yields DCP's ``no_dist``."""
+        no_dist = local or not is_distributed() or not self.active
+        if not no_dist:
+            self._check_can_issue(name)
+        issued = None if no_dist else self.tracker.issue("checkpoint", name, 0)
+        with torch.profiler.record_function(name), warnings.catch_warnings(), self.tracker.blocked_in(issued):
             # one process on purpose: DCP's warning that it assumes so says nothing new
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield local or not is_distributed() or not self.active
+            try:
+                yield no_dist
+            except Exception as err:
+                if no_dist or not looks_like_comm_error(err):
+                    raise  # this rank's own (a full disk, a bad path): as it is
+                explained = self.explain(err, issued)
+                if explained is None:
+                    raise
+                raise explained from err
+
+
+_COMM_ERROR_WORDS = (  # what backends say when a peer is gone or a collective broke
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "nccl",
+    "gloo",
+    "distbackenderror",
+    "distnetworkerror",
+)
+
+
+def looks_like_comm_error(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it wraps) is a backend's report of a broken collective."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = f"{type(err).__name__} {err}".lower()
+        if isinstance(err, dist.DistError) or any(word in text for word in _COMM_ERROR_WORDS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _group_by_dtype_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -3,7 +3,7 @@
 [Note: Fabric state keys]
 ``fabric.save(path, state)`` takes the user's own dict, e.g. ``{"model": model, "optimizer":
 optimizer, "scheduler": scheduler, "step": 3}``. The Fabric strategy writes it in the Trainer's
-checkpoint format (full file or sharded directory, see [Note: checkpoint forms] in checkpoint.py),
+checkpoint format (full file or sharded directory, see [Note: checkpoint forms] in checkpoint/__init__.py),
 each object in its *role*:
 
 - the model this strategy set up -> ``state_dict`` (the whole model under the original names; in

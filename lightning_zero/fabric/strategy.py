@@ -400,9 +400,12 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         checkpoint = self._checkpoint_of(state, sharded, filter or {})
         if sharded:
             layout = checkpoints.layout_of(self._module, engine, self._config.stage, self.comm.world_size)
-            checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout)
+            keep = self._config.keep_previous_checkpoint
+            checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout, keep_previous=keep)
         else:
-            checkpoints.save_full(checkpoint, path, self.comm, self.checkpoint_io, storage_options)
+            checkpoints.save_full(
+                checkpoint, path, self.comm, self.checkpoint_io, storage_options, engine=engine
+            )
 
     def _checkpoint_of(self, state: Mapping[str, Any], sharded: bool, filter: dict) -> dict[str, Any]:
         roles = self._roles(state, saving=True)
@@ -459,6 +462,8 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         engine = self._ready()
         if sharded:
             return checkpoints.sharded_model_state(self._module, engine)
+        if engine.streams_values:  # written while gathered (see [Note: streamed full checkpoints])
+            return checkpoints.streamed_model_state(self._module, engine)
         return engine.module_state_dict(self._module)
 
     def _optimizer_state(self, optimizer: Optimizer, index: int, sharded: bool) -> dict[str, Any]:
@@ -466,7 +471,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         if sharded:
             return checkpoints.sharded_optimizer_state(self._module, engine, optimizer, index)
         if engine.sharded:
-            return checkpoints.gather_optimizer_state(engine, optimizer, index, self.comm)
+            return checkpoints.streamed_optimizer_state(engine, optimizer, index)
         return engine.optimizer_state(optimizer, index)
 
     @override
@@ -484,7 +489,8 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         if isinstance(state, (nn.Module, Optimizer)):
             self._load_raw(path, state, strict, weights_only)
             return {}
-        checkpoint = checkpoints.read(path, self.checkpoint_io, weights_only)
+        verify = self._config.verify_checkpoints
+        checkpoint = checkpoints.read(path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify)
         if not state:
             return self._as_saved(checkpoint, path)
         roles = self._roles(state, saving=False)

@@ -326,7 +326,7 @@ class GradReducer:
                 "a parameter's gradient must be accumulated once per backward pass"
             )
         self._ready[i] = True
-        if not self._rebuilt:
+        if not self._rebuilt and self.stage == 0:  # only stage 0 rebuilds; elsewhere it would grow forever
             self._ready_order.append(i)
         self._slot[i][0].pending -= 1
         self._launch_ready_buckets()

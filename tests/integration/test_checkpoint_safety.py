@@ -90,8 +90,34 @@ def test_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(tmp_pa
         checkpoint=_every_epoch_as(ckpt_dir, "latest"),
     )
     assert_continues_exactly(final, reference)
-    assert sorted(os.listdir(ckpt_dir)) == ["latest.ckpt"]
+    assert sorted(os.listdir(ckpt_dir)) == [".latest.ckpt.previous", "latest.ckpt"]  # the leftover cleared
     assert C.inspect_sharded(last)[0]["epoch"] == EPOCHS - 1
+
+
+def _flip_in_largest_chunk(path: Path) -> str:
+    """Flip 16 bytes in the middle of the largest chunk of a sharded checkpoint; its file's name."""
+    _, metadata = C.inspect_sharded(path)
+    info = max(metadata.storage_data.values(), key=lambda i: i.length)
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        data = f.read(16)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return info.relative_path
+
+
+def test_a_damaged_last_checkpoint_resumes_from_the_previous_one_exactly(tmp_path, reference):
+    """Bytes flipped in last.ckpt (sharded, zero2 on 2 ranks): ckpt_path="last" resumes from the
+    kept previous version, with a warning, and the run ends as the uninterrupted one."""
+    ckpt_dir = tmp_path / "ckpt"
+    fit(tmp_path / "first", 2, 2, "sharded", epochs=2, checkpoint=_every_epoch_as(ckpt_dir, "last"))
+    damaged = _flip_in_largest_chunk(ckpt_dir / "last.ckpt")
+    with pytest.raises(C.CheckpointError, match=rf"{damaged} is damaged: the chunk of tensor"):
+        C.consolidate(ckpt_dir / "last.ckpt", tmp_path / "out.ckpt")
+    checkpoint = _every_epoch_as(ckpt_dir, "last")
+    final = fit(tmp_path / "resumed", 2, 2, "sharded", epochs=EPOCHS, ckpt_path="last", checkpoint=checkpoint)
+    assert_continues_exactly(final, reference)  # from epoch 0's checkpoint, nothing lost
+    assert C.inspect_sharded(ckpt_dir / "last.ckpt")[0]["epoch"] == EPOCHS - 1
 
 
 class OptimizerBytes(Callback):

@@ -164,11 +164,12 @@ def test_replacing_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_pa
     os.rename(first, tmp_path / ".last.ckpt.previous")
     assert C.resolve(tmp_path / "last.ckpt") == tmp_path / ".last.ckpt.previous"
     os.rename(tmp_path / ".last.ckpt.previous", first)
-    # a later save replaces it and leaves nothing beside it
+    # a later save replaces it and keeps the old one beside it (keep_previous_checkpoint)
     model, optimizer = _trained(seed=4)
     _save_sharded(first, model, optimizer)
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == [".last.ckpt.previous", "last.ckpt"]
     assert (first / "__0_0.distcp").read_bytes() != old
+    assert (tmp_path / ".last.ckpt.previous" / "__0_0.distcp").read_bytes() == old
     C.remove(first, TorchCheckpointIO())
     assert os.listdir(tmp_path) == []
 
@@ -178,8 +179,11 @@ def test_full_save_replaces_atomically(tmp_path):
     io = TorchCheckpointIO()
     C.save_full({"state_dict": {}, "epoch": 0}, str(path), Communicator(), io)
     C.save_full({"state_dict": {}, "epoch": 1}, str(path), Communicator(), io)
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == [".last.ckpt.previous", "last.ckpt"]
     assert torch.load(path, weights_only=False)["epoch"] == 1
+    assert torch.load(tmp_path / ".last.ckpt.previous", weights_only=False)["epoch"] == 0
+    C.save_full({"state_dict": {}, "epoch": 2}, str(path), Communicator(), io, keep_previous=False)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
 
 
 def test_state_dict_type_is_checked_where_it_enters():

@@ -1,0 +1,231 @@
+"""The full form: rank 0 writes one Lightning checkpoint file; every rank reads it whole and takes its part."""
+
+from __future__ import annotations
+
+import functools
+import os
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.files import (
+    _publish,
+    _sibling,
+    _size,
+    _write_synced,
+    remove_stale_partials,
+)
+from lightning_zero.checkpoint.format import CheckpointError, _hyper
+from lightning_zero.checkpoint.integrity import add_full_checksums
+from lightning_zero.checkpoint.layout import _check_keys, _check_shape, _names, _slots
+from lightning_zero.comm import Communicator
+from lightning_zero.streamed import Source as StreamSource
+from lightning_zero.streamed import Streamed, contains_streamed, plan
+from lightning_zero.streamed import write as write_streamed
+from lightning_zero.zero.flat_param import full_optimizer_state, original_indices
+
+# --------------------------------------------------------------------------- the full form: save
+
+
+def gather_optimizer_state(
+    engine: Any, optimizer: Optimizer, index: int, comm: Communicator
+) -> dict[str, Any]:
+    """Stages 1-3: the optimizer's state as one process has it, assembled in rank 0's memory only
+    (the others return ``{}``), one flat space and one state name at a time; every rank calls it.
+    Checkpoints do not use it: they write the state while gathering it (:func:`streamed_optimizer_state`)."""
+    groups = engine.group_params(optimizer, index)
+    return full_optimizer_state(optimizer, index, engine.flat_spaces(), groups, comm, engine.label, dst=0)
+
+
+def save_full(
+    checkpoint: dict[str, Any],
+    path: str,
+    comm: Communicator,
+    checkpoint_io: CheckpointIO,
+    storage_options: Any = None,
+    *,
+    engine: Any = None,
+    keep_previous: bool = True,
+) -> None:
+    """Rank 0 writes ``checkpoint`` as one file, with its tensors' CRC32s; every rank calls it.
+
+    With the default TorchCheckpointIO and a local path, rank 0 writes ``.NAME.partial`` and
+    renames it into place (TorchCheckpointIO itself would first serialize the whole file into
+    memory, doubling rank 0's peak); tensors that live in shards (:class:`Streamed` stand-ins, see
+    [Note: streamed full checkpoints]) are gathered one flat space at a time while it writes, their
+    checksums the CRC32 the zip format keeps for each record. Any other CheckpointIO gets the whole
+    dict, the stand-ins gathered into rank 0's memory first.
+    """
+    local = type(checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
+    streamed = engine is not None and contains_streamed(checkpoint)
+    items = (
+        comm.broadcast_object(plan(checkpoint), name="checkpoint/plan", device=_device(engine))
+        if streamed
+        else []
+    )
+    gather = functools.partial(_gather_space, engine, comm) if streamed else None
+    if not local:
+        if streamed:
+            checkpoint = _materialize(checkpoint, engine, comm, gather, items)
+        if comm.rank == 0:
+            add_full_checksums(checkpoint)  # see [Note: checkpoint checksums]
+            checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+    else:
+        partial = _sibling(Path(path), "partial")
+        if comm.rank == 0:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partials(partial.parent)
+            add_full_checksums(checkpoint)  # the stand-ins: by their zip records
+        if streamed:
+            write_streamed(checkpoint, partial, comm, engine.param_spaces(), gather, items)
+            if comm.rank == 0:
+                _fsync(partial)
+        elif comm.rank == 0:
+            _write_synced(checkpoint, partial)
+        if comm.rank == 0:
+            _publish(partial, Path(path), keep_previous=keep_previous)
+    comm.barrier(name="checkpoint/barrier/published")
+
+
+def _device(engine: Any) -> torch.device:
+    spaces = engine.param_spaces()
+    return spaces[0].shard.device if spaces else torch.device("cpu")
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def streamed_model_state(module: nn.Module, engine: Any) -> dict[str, Any]:
+    """The full form's model state with stand-ins for the parameters that live in shards: the
+    values the optimizer holds (fp32 masters under a policy), written as they are gathered."""
+    stand_ins: dict[int, Any] = {}
+    for s, space in enumerate(engine.param_spaces()):
+        for i, (p, shape) in enumerate(zip(space.params, space.shapes)):
+            stand_ins[id(p)] = Streamed(StreamSource(s, i, None), shape, space.shard.dtype)
+    state = module.state_dict(keep_vars=True)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in stand_ins:
+            state[name] = stand_ins[id(p)]
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def streamed_optimizer_state(engine: Any, optimizer: Optimizer, index: int) -> dict[str, Any]:
+    """Stages 1-3: the optimizer's state as one process has it, per-element states as stand-ins
+    gathered while the file is written; step counts and other scalars as they are."""
+    groups = engine.group_params(optimizer, index)
+    ids = original_indices(groups)
+    state: dict[int, dict[str, Any]] = {}
+    for s, space in enumerate(engine.param_spaces()):
+        for i, sub in space.optimizer_subs(index).items():
+            entry = state.setdefault(ids[id(space.params[i])], {})
+            for sname, value in optimizer.state.get(sub, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and sname != "step":
+                    entry[sname] = Streamed(StreamSource(s, i, (index, sname)), space.shapes[i], value.dtype)
+                else:
+                    entry[sname] = value.to("cpu", copy=True) if isinstance(value, Tensor) else value
+    param_groups = [
+        {**_hyper(g), "params": [ids[id(p)] for p in ps]} for g, ps in zip(optimizer.param_groups, groups)
+    ]
+    return {"state": dict(sorted((k, v) for k, v in state.items() if v)), "param_groups": param_groups}
+
+
+def _gather_space(engine: Any, comm: Communicator, space: int, what: tuple[int, str] | None) -> Tensor | None:
+    """The full padded values of one flat space (its parameters, or one per-element state of one
+    optimizer), on rank 0 only; every rank calls it."""
+    flat = engine.param_spaces()[space]
+    if what is None:
+        chunk = flat.shard.detach()
+    else:
+        index, sname = what
+        optimizer = engine.optimizer_of(index)
+        values = {i: optimizer.state.get(sub, {}).get(sname) for i, sub in flat.optimizer_subs(index).items()}
+        sample = next(v for v in values.values() if v is not None)
+        chunk = torch.zeros(flat.shard_numel, dtype=sample.dtype, device=sample.device)
+        for i, value in values.items():
+            if value is not None:
+                chunk[flat.slices[i].start : flat.slices[i].stop].copy_(value)
+    full = torch.empty(flat.padded_numel, dtype=chunk.dtype, device=chunk.device) if comm.rank == 0 else None
+    comm.gather(full, chunk, dst=0, name=f"{engine.label}/gather/checkpoint")
+    return full
+
+
+def _materialize(checkpoint: Any, engine: Any, comm: Communicator, gather: Any, items: list) -> Any:
+    """The stand-ins replaced by their values in rank 0's memory (another CheckpointIO writes it)."""
+    values: dict[Any, Tensor] = {}
+    spaces = engine.param_spaces()
+    for space, what in items:
+        full = gather(space, what)
+        if full is None:
+            continue
+        for i, (shape, offset) in enumerate(zip(spaces[space].shapes, spaces[space].offsets)):
+            values[(space, i, what)] = full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
+
+    def resolve(obj: Any) -> Any:
+        if isinstance(obj, Streamed):
+            return values.get((obj.source.space, obj.source.position, obj.source.state))
+        if isinstance(obj, dict):
+            return {k: resolve(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(resolve(v) for v in obj)
+        return obj
+
+    return resolve(checkpoint) if comm.rank == 0 else {}
+
+
+def _read_full(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None) -> dict[str, Any]:
+    try:
+        checkpoint = _load(path, checkpoint_io, weights_only)
+    except Exception as err:
+        if "Weights only load failed" in str(err) and zipfile.is_zipfile(path):
+            raise  # a complete file with objects that weights_only refuses: torch's own advice applies
+        raise CheckpointError(
+            f"cannot read the checkpoint file {path} ({_size(path)}): truncated, corrupt or not written by "
+            f"torch.save ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+        found = (
+            sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        )
+        raise CheckpointError(
+            f"{path} is not a Lightning checkpoint: it has no 'state_dict' entry (found: {found}). A bare "
+            "model state dict loads with module.load_state_dict(torch.load(...)), not through the Trainer"
+        )
+    return checkpoint
+
+
+def _load(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None) -> Any:
+    """A local file through the default CheckpointIO is memory-mapped: each rank reads only the
+    pages of what it loads (its shards), never the whole model; anything else as the IO reads it."""
+    if type(checkpoint_io) is TorchCheckpointIO and isinstance(path, (str, Path)) and "://" not in str(path):
+        return torch.load(str(path), map_location="cpu", weights_only=weights_only, mmap=True)
+    return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+
+def _load_full_model(module: nn.Module, engine: Any, state: Mapping[str, Any], strict: bool) -> None:
+    """From full tensors: each slot takes its part; the rest goes through ``load_state_dict``."""
+    _check_keys(module, set(state), strict, source="(a full state dict)")
+    names = _names(module)
+    slots = _slots(module, engine)
+    rest = {}
+    with torch.no_grad():
+        for key, value in state.items():
+            first = names.aliases.get(key, key)
+            slot = slots.get(first)
+            if slot is None:
+                rest[key] = value
+            elif key == first:  # a tied parameter's other names are written through its first
+                _check_shape(key, value.shape, slot.shape, "the checkpoint")
+                if slot.piece is not None:
+                    part = value.reshape(-1)[slot.piece.offset : slot.piece.offset + slot.piece.local.numel()]
+                    slot.piece.local.copy_(part)
+                if slot.whole is not None:
+                    slot.whole.copy_(value.reshape(slot.whole.shape))
+    module.load_state_dict(rest, strict=False)

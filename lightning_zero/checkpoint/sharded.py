@@ -1,0 +1,271 @@
+"""The sharded form: this rank's slices of the model and optimizer, the DCP save, and the stand-ins
+and checks of a read.
+
+[Note: sharded layout]
+Every original parameter is saved as one *logical 1D tensor* of its ``numel`` elements (its
+row-major flattening), under ``model.<name>``; every per-element optimizer state as another,
+under ``optim.<i>.<name>.<state>`` (``i``: the optimizer's index, ``name``: the parameter's,
+``state``: e.g. ``exp_avg``). A flat space's shard [r*S, (r+1)*S) covers a contiguous range of
+each parameter's flattening, so what rank r holds of a parameter is one chunk [a, b) of that 1D
+tensor: a :class:`Piece`, which DCP stores as one chunk with its offset. Padding is never saved.
+Step counters (0-dim tensors) are saved once per parameter (DCP writes a value that several ranks
+hold once), other objects as pickled bytes; buffers and parameters kept whole (stage 0, frozen
+ones) as ordinary tensors, which DCP spreads over the ranks. The file therefore describes the
+model, not the layout that wrote it: a reader asks DCP for the chunks of its own layout (another
+world size, stage, bucket plan or wrap policy) and DCP reads the overlapping parts of the saved
+chunks. Tied parameters are saved once, under their first name (``meta.pt`` lists the aliases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+)
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.files import (
+    _publish,
+    _sibling,
+    _size,
+    _write_synced,
+    remove_stale_partials,
+)
+from lightning_zero.checkpoint.format import (
+    DCP_METADATA_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYOUT_KEY,
+    META_FILE,
+    MODEL_PREFIX,
+    CheckpointError,
+    Piece,
+    _box,
+    _Kept,
+    _optimizer_prefix,
+    _SavePlanner,
+)
+from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
+from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _slots
+from lightning_zero.comm import Communicator
+
+# --------------------------------------------------------------------------- the sharded form: save
+
+
+def sharded_model_state(module: nn.Module, engine: Any) -> dict[str, Any]:
+    """This rank's part of the model, without copies: state-dict key -> Piece, tensor or object.
+
+    Parameters are flattened (see [Note: sharded layout]); a parameter of a flat space of which
+    this rank holds nothing is left out; tied parameters appear under their first name only.
+    """
+    names = _names(module)
+    slots = _slots(module, engine)
+    state: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key in names.aliases:
+            continue
+        slot = slots.get(key)
+        if slot is not None:
+            if slot.piece is not None or slot.whole is not None:
+                state[key] = slot.piece if slot.piece is not None else slot.whole.reshape(-1)
+        elif isinstance(value, Tensor):
+            is_param = id(value) in names.of
+            state[key] = value.detach().reshape(-1) if is_param else value.detach()
+        else:
+            state[key] = _box(value)
+    return state
+
+
+def sharded_optimizer_state(
+    module: nn.Module, engine: Any, optimizer: Optimizer, index: int
+) -> dict[str, Any]:
+    """This rank's part of an optimizer's state, by parameter name (no copies).
+
+    ``{"state": {name: {state name: Piece | tensor | object}}, "param_groups": [...]}``, the
+    groups' ``params`` given as names.
+    """
+    names = _names(module).of
+    groups = _group_params(engine, optimizer, index)
+    if any(id(p) not in names for params in groups for p in params):
+        raise CheckpointError(
+            f"{type(optimizer).__name__} {index} steps tensors that are not parameters of "
+            f"{type(module).__name__} (after fitting, a sharded stage's optimizer keeps the shards it "
+            "stepped): save checkpoints while fitting, e.g. with ModelCheckpoint"
+        )
+    if engine is not None and engine.sharded:
+        state = _sub_shard_pieces(engine, optimizer, index, names)
+    else:
+        state = _whole_states(optimizer, names, groups)
+    return {"state": state, "param_groups": _named_groups(optimizer, groups, names)}
+
+
+def _whole_states(optimizer: Optimizer, names: dict[int, str], groups: list) -> dict[str, dict[str, Any]]:
+    """Stage 0: each parameter's state as it is, per-element tensors flattened."""
+    state: dict[str, dict[str, Any]] = {}
+    for group, params in zip(optimizer.param_groups, groups):
+        for stepped, p in zip(group["params"], params):
+            for sname, value in optimizer.state.get(stepped, {}).items():
+                state.setdefault(names[id(p)], {})[sname] = _whole_item(sname, value, stepped.shape)
+    return state
+
+
+def _whole_item(sname: str, value: Any, shape: torch.Size) -> Any:
+    if not isinstance(value, Tensor):
+        return _Kept(value)
+    if sname != "step" and value.shape == shape:  # per-element, as flat_param's rule has it
+        return value.detach().reshape(-1)
+    return value.detach() if value.dim() == 0 else _Kept(value.detach())
+
+
+def _sub_shard_pieces(engine: Any, optimizer: Optimizer, index: int, names: dict[int, str]) -> dict:
+    """Stages 1-3: per parameter, its sub-shard's state: per-element state as a Piece of the
+    parameter's flattening (left out where this rank holds none of it), scalars as they are."""
+    state: dict[str, dict[str, Any]] = {}
+    for flat in engine.flat_spaces():
+        for i, sub in flat.optimizer_subs(index).items():
+            start, stop, offset = flat.slices[i]
+            for sname, value in optimizer.state.get(sub, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    if start == stop:
+                        continue
+                    item = Piece(value.detach(), offset, flat.shapes[i].numel())
+                else:
+                    item = value.detach() if isinstance(value, Tensor) else _Kept(value)
+                state.setdefault(names[id(flat.params[i])], {})[sname] = item
+    return state
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: Path,
+    comm: Communicator,
+    layout: dict[str, Any],
+    *,
+    keep_previous: bool = True,
+) -> None:
+    """Write a sharded checkpoint directory at ``path`` (every rank calls it; see [Note: complete
+    or absent]). ``checkpoint`` is Lightning's dict with this rank's model and optimizer parts
+    (:func:`sharded_model_state`, :func:`sharded_optimizer_state`). Every rank checksums the
+    chunks it wrote ([Note: checkpoint checksums]); rank 0 keeps them in meta.pt."""
+    items = {MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
+    optimizers = checkpoint.pop("optimizer_states", None)
+    for i, opt in enumerate(optimizers or []):
+        for name, entry in opt["state"].items():
+            for sname, value in entry.items():
+                items[f"{_optimizer_prefix(i)}{name}.{sname}"] = value
+    layout = {**layout, "optimizers": None if optimizers is None else [o["param_groups"] for o in optimizers]}
+    partial = _sibling(path, "partial")
+    if comm.rank == 0:
+        remove_stale_partials(path.parent)
+        partial.mkdir(parents=True)
+    comm.barrier(name="checkpoint/barrier/partial")
+    metadata = comm.save_checkpoint_items(
+        items, FileSystemWriter(partial), _SavePlanner(), name="checkpoint/save/shards"
+    )
+    mine = {f for f in files_of(metadata) if f.startswith(f"__{comm.rank}_")}
+    chunks = comm.all_gather_object(shard_checksums(partial, metadata, mine), name="checkpoint/checksums")
+    if comm.rank == 0:
+        layout["checksums"] = sharded_record(partial, {k: v for part in chunks for k, v in part.items()})
+        _write_synced({**checkpoint, LAYOUT_KEY: layout}, partial / META_FILE)
+        _publish(partial, path, keep_previous=keep_previous)
+    comm.barrier(name="checkpoint/barrier/published")
+
+
+class ShardedModelState:
+    """Stands in ``checkpoint["state_dict"]`` for a sharded checkpoint until the strategy reads
+    this rank's part of it (:func:`load_model_state`)."""
+
+    def __init__(self, path: Path, layout: dict[str, Any], metadata: Metadata) -> None:
+        self.path = path  # the checkpoint directory
+        self.layout = layout  # meta.pt's layout entry
+        self.metadata = metadata  # DCP's metadata: every saved key, its size and chunks
+
+    def keys(self) -> set[str]:
+        """The model's state-dict keys the checkpoint holds, tied parameters' other names too."""
+        saved = {
+            k[len(MODEL_PREFIX) :] for k in self.metadata.state_dict_metadata if k.startswith(MODEL_PREFIX)
+        }
+        return saved | set(self.layout["aliases"])
+
+    def __repr__(self) -> str:
+        return f"ShardedModelState({str(self.path)!r})"
+
+
+class ShardedOptimizerState(ShardedModelState):
+    """Stands in ``checkpoint["optimizer_states"][index]`` for a sharded checkpoint."""
+
+    def __init__(self, path: Path, layout: dict[str, Any], metadata: Metadata, index: int) -> None:
+        super().__init__(path, layout, metadata)
+        self.index = index  # which optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.layout["optimizers"][self.index]
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizerState({str(self.path)!r}, optimizer={self.index})"
+
+
+def inspect_sharded(path: Path) -> tuple[dict[str, Any], Metadata]:
+    """``meta.pt``'s entries and DCP's metadata of a sharded checkpoint, after checking that every
+    file it needs is there and long enough; otherwise a CheckpointError naming what is missing."""
+    for name, why in ((DCP_METADATA_FILE, "DCP's index of the shards"), (META_FILE, "rank 0's entries")):
+        if not (path / name).is_file():
+            raise CheckpointError(
+                f"{path} is not a complete sharded checkpoint: {name} ({why}) is missing. A save that did "
+                "not finish leaves no checkpoint under its final name; was this directory copied in part?"
+            )
+    verify_zip_records(path / META_FILE, only_pickle=False)  # small: every record's CRC
+    meta = _load_meta(path / META_FILE)
+    layout = meta.get(LAYOUT_KEY) if isinstance(meta, Mapping) else None
+    if not isinstance(layout, Mapping) or layout.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path / META_FILE} has no {LAYOUT_KEY!r} layout entry: {path} was not written by "
+            "ZeroStrategy(state_dict_type='sharded') (another strategy's checkpoint?)"
+        )
+    if layout.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has layout version {layout['version']}; this lightning_zero reads up to {FORMAT_VERSION}"
+        )
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"cannot read {path / DCP_METADATA_FILE}: {type(err).__name__}: {err}") from err
+    _check_storage(path, metadata)
+    return dict(meta), metadata
+
+
+def _load_meta(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read {path} ({_size(path)}): truncated or corrupt ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _check_storage(path: Path, metadata: Metadata) -> None:
+    """Every shard file DCP's metadata refers to exists and reaches the end of its last chunk."""
+    need: dict[str, tuple[int, set[str]]] = {}
+    for index, info in metadata.storage_data.items():
+        end, keys = need.get(info.relative_path, (0, set()))
+        keys.add(index.fqn)
+        need[info.relative_path] = (max(end, info.offset + info.length), keys)
+    for relative, (end, keys) in sorted(need.items()):
+        file = path / relative
+        held = f"it holds chunks of {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3])}"
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: {path} is incomplete ({held})")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{file} is truncated: {size} bytes, its chunks end at byte {end} ({held})")
+
+
+def _reader(path: Path) -> FileSystemReader:
+    return FileSystemReader(str(path))

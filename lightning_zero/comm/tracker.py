@@ -1,0 +1,118 @@
+"""What this rank's collectives are doing: the last one issued, the one it is blocked in.
+
+[Note: collective sequence numbers]
+Every collective a Communicator issues gets the next sequence number of its group (1, 2, ...).
+Every rank issues the same collectives in the same order ([Note: same collectives everywhere] in
+``grad_sync/reducer.py``), so at any moment the ranks' numbers may differ only while one rank
+runs ahead of another; ranks blocked in collectives of *different* numbers, or of the same number
+but a different op or name, are out of step for good: a desync. The numbers are what the fault
+messages and the watchdog's report print (``all_gather #57 zero3/all_gather/unit=blocks.3``).
+The tracker is written by the training thread and read by the watchdog thread; each field is
+replaced by one assignment, which a reader sees whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+
+class Issued(NamedTuple):
+    """One collective as the fault messages and the watchdog name it."""
+
+    seq: int  # sequence number in this group: 1, 2, ... (see [Note: collective sequence numbers])
+    op: str  # all_reduce | reduce_scatter | all_gather | broadcast | gather | barrier | agree | checkpoint
+    name: str  # the ledger's name, e.g. "zero3/all_gather/unit=blocks.3"
+    nbytes: int  # payload bytes (the full logical tensor)
+
+    def describe(self) -> str:
+        return f"{self.op} #{self.seq} {self.name} ({format_nbytes(self.nbytes)})"
+
+
+class RankState(NamedTuple):
+    """What one rank was doing when asked (posted to the store for the watchdog's report)."""
+
+    rank: int
+    host: str
+    last: Issued | None  # the latest collective this rank issued
+    waiting: Issued | None  # the collective it is blocked in now, if any
+    for_s: float  # seconds blocked in ``waiting``, or since ``last`` was issued when not waiting
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} ({self.host})"
+        if self.waiting is not None:
+            return f"{where} waits in {self.waiting.describe()} for {self.for_s:.0f} s"
+        if self.last is None:
+            return f"{where} has issued no collective yet"
+        return f"{where} is not in a collective: its last was {self.last.describe()}, {self.for_s:.0f} s ago"
+
+
+def format_nbytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class CollectiveTracker:
+    """This rank's position in its group's sequence of collectives."""
+
+    def __init__(self) -> None:
+        self.seq = 0  # collectives issued so far
+        self.last: Issued | None = None  # the latest one issued
+        self.last_at = time.monotonic()  # when it was issued
+        self.waiting: Issued | None = None  # the one this rank is blocked in now
+        self.waiting_since = 0.0  # monotonic time it started waiting
+        self.track_pending = False  # keep issued works until they complete (the watchdog on NCCL)
+        self._pending: deque[tuple[Issued, Any, float]] = deque()  # (issued, torch Work, when), oldest first
+
+    def issue(self, op: str, name: str, nbytes: int) -> Issued:
+        self.seq += 1
+        self.last, self.last_at = Issued(self.seq, op, name, nbytes), time.monotonic()
+        return self.last
+
+    def launched(self, issued: Issued, work: Any) -> None:
+        """``issued`` is in flight as ``work`` (kept only while the watchdog needs it)."""
+        if self.track_pending and work is not None:
+            self._pending.append((issued, work, time.monotonic()))
+
+    def stuck_in(self) -> tuple[Issued | None, float]:
+        """The collective this rank is held up by, and for how long: the one it is blocked in, or
+        (NCCL, whose waits do not block) the oldest it issued that has not completed."""
+        if self.waiting is not None:
+            return self.waiting, self.blocked_for()
+        while self._pending and self._pending[0][1].is_completed():
+            self._pending.popleft()
+        if not self._pending:
+            return None, 0.0
+        issued, _, since = self._pending[0]
+        return issued, time.monotonic() - since
+
+    @contextmanager
+    def blocked_in(self, issued: Issued | None) -> Generator[None, None, None]:
+        """The caller blocks in ``issued`` until the block ends (nested blocks keep the outer one)."""
+        if issued is None or self.waiting is not None:
+            yield
+            return
+        self.waiting_since, self.waiting = time.monotonic(), issued
+        try:
+            yield
+        finally:
+            self.waiting = None
+
+    def current(self) -> Issued | None:
+        """The collective this rank is in, or else the last it issued."""
+        return self.waiting if self.waiting is not None else self.last
+
+    def blocked_for(self) -> float:
+        """Seconds blocked in the current collective (0 when not blocked)."""
+        return time.monotonic() - self.waiting_since if self.waiting is not None else 0.0
+
+    def state(self, rank: int, host: str) -> RankState:
+        stuck, for_s = self.stuck_in()
+        if stuck is not None:
+            return RankState(rank, host, self.last, stuck, for_s)
+        return RankState(rank, host, self.last, None, time.monotonic() - self.last_at)

@@ -1,0 +1,190 @@
+"""The watchdog: a collective that waits too long is reported, with every rank's position.
+
+[Note: the watchdog]
+With ``watchdog_s`` set, a daemon thread wakes every ``min(1, watchdog_s / 4)`` seconds. On a
+backend whose waits block the host (gloo) a rank is stuck when it has been blocked in one
+collective longer than ``watchdog_s``; on NCCL, whose waits return at once, when the oldest
+collective it issued has not completed after ``watchdog_s`` (checked with ``Work.is_completed``,
+which does not block). A stuck rank asks every rank, through the store, for its state: the last
+collective it issued and the one it is blocked in (sequence number, op, name, bytes) and since
+when ([Note: collective sequence numbers] in ``tracker.py``). Every rank's watchdog answers from
+its own thread, so a rank busy outside any collective still answers. The report is printed on
+every stuck rank (again at twice the time while it stays stuck), e.g.
+
+    lightning_zero watchdog: rank 0 waited 12 s in a collective; the ranks are out of step (a desync):
+      rank 0 (node1) waits in all_gather #57 zero3/all_gather/unit=blocks.3 (1.2 MiB) for 12 s
+      rank 1 (node2) waits in reduce_scatter #56 zero3/reduce_scatter/unit=blocks.2 (2.4 MiB) for 12 s
+
+When every rank waits, but not in the same collective, no rank can ever leave: the run stops
+(``CollectivesStopped`` with the report, raised by the waiting thread on gloo). Cost when nothing
+is stuck: one read of the store per tick.
+
+Whatever ``watchdog_s``: when a peer has published an error, or is gone (its pid on this host, or
+its heartbeat still), and this rank is still blocked ``fault_wait_s`` later in a wait no Python
+code can interrupt (inside a DCP save or load, in Lightning's own collectives, in a device sync
+on NCCL), the thread prints the reason and ends the process (status 1). In this package's own
+waits on gloo the waiting thread raises first, with the same message.
+
+Without ``watchdog_s`` the same thread only beats: once a second it increments this rank's
+heartbeat in the store, which a rank blocked in a collective reads to tell a dead peer on another
+host from a slow one ([Note: waiting without hanging] in ``collectives.py``). One store write per
+second per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any, NamedTuple
+
+from lightning_zero.comm.faults import StoreUnreachable, fault_message, leave_without_destroying, lost_message
+from lightning_zero.comm.tracker import RankState
+
+log = logging.getLogger(__name__)
+BEAT_S = 1.0  # heartbeat period (and the longest tick)
+ANSWER_WAIT_TICKS = 4  # how many ticks (at least 1 s) a stuck rank waits for the other ranks' states
+
+
+class Report(NamedTuple):
+    text: str  # printed on the stuck ranks
+    desync: bool  # every rank waits, not all in the same collective: no rank can leave
+
+
+def format_report(me: int, stuck_s: float, states: dict[int, RankState], world_size: int) -> Report:
+    """The report of rank ``me``, stuck for ``stuck_s`` seconds, from the states that came back."""
+    waiting = [s.waiting for s in states.values() if s.waiting is not None]
+    everyone_waits = len(waiting) == world_size
+    desync = everyone_waits and len({(w.seq, w.op, w.name) for w in waiting}) > 1
+    if desync:
+        verdict = (
+            "the ranks are out of step (a desync): every rank must issue the same collectives in the same "
+            "order, and these never will"
+        )
+    elif everyone_waits:
+        verdict = "every rank waits in the same collective (a slow link, or a backend that lost a message)"
+    else:
+        verdict = "some ranks are not in a collective: they are slow, or blocked elsewhere"
+    lines = [f"lightning_zero watchdog: rank {me} waited {stuck_s:.0f} s in a collective; {verdict}:"]
+    for r in range(world_size):
+        lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} did not answer")
+    return Report("\n".join(lines), desync)
+
+
+class Watchdog:
+    """This rank's heartbeat in the store, and with ``after_s`` the reports of [Note: the watchdog].
+
+    Args:
+        comm: the Communicator whose collectives are watched (its tracker, board and ranks).
+        after_s: a collective stuck longer than this is reported; None: heartbeat only.
+    """
+
+    def __init__(self, comm: Any, after_s: float | None = None) -> None:
+        self.comm = comm
+        self.after_s = after_s
+        self.tick_s = min(BEAT_S, after_s / 4) if after_s is not None else BEAT_S  # between two checks
+        self._stuck: int | None = None  # sequence number of the collective this rank is stuck in
+        self._next_report_s = after_s or 0.0  # stuck this long: report (again); doubles after each report
+        self._answered = 0  # the last report request this rank answered
+        self._fault_seen_at: float | None = None  # when a peer's fault was first seen while stuck
+        self._liveness = comm.new_liveness() if comm.board is not None else None  # dead peers, its own watch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning_zero-watchdog", daemon=True)
+
+    def start(self) -> None:
+        reports = self.after_s is not None
+        self.comm.tracker.track_pending = (
+            reports and not self.comm._blocking_waits
+        )  # NCCL: waits do not block
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.tick_s)
+        self.comm.tracker.track_pending = False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.check()
+            except StoreUnreachable as err:
+                log.debug("watchdog: %s", err)
+            except Exception:  # never let the thread die silently: the next tick tries again
+                log.exception("lightning_zero watchdog: check failed")
+
+    def check(self) -> None:
+        """One tick: answer report requests; report this rank if it is stuck; act on a peer's fault."""
+        board, tracker = self.comm.board, self.comm.tracker
+        if board is None or self._liveness is None:
+            return
+        board.beat()
+        if self.after_s is not None:
+            self._answer(board)
+        stuck, stuck_s = tracker.stuck_in()
+        if stuck is None:
+            self._fault_seen_at = None
+            self._liveness.reset()
+            return
+        if stuck.seq != self._stuck:
+            self._stuck, self._next_report_s = stuck.seq, self.after_s
+            self._liveness.reset()
+        if self.after_s is not None and stuck_s >= self._next_report_s:
+            self._next_report_s = 2 * stuck_s  # again at twice the time, while it lasts
+            self._report(board, stuck_s)
+        if stuck_s >= self.comm.fault_wait_s:
+            self._end_if_peer_failed(board, stuck)
+
+    def _answer(self, board: Any) -> None:
+        requests = board.report_requests()
+        if requests > self._answered:
+            board.post_state(requests, self._state())
+            self._answered = requests
+
+    def _state(self) -> RankState:
+        me = self.comm.ranks[self.comm.rank]
+        return self.comm.tracker.state(me.rank, me.host)
+
+    def _report(self, board: Any, stuck_s: float) -> None:
+        request = board.request_report()
+        board.post_state(request, self._state())
+        self._answered = max(self._answered, request)
+        deadline = time.monotonic() + max(ANSWER_WAIT_TICKS * self.tick_s, 1.0)
+        states = board.states(request)
+        while len(states) < self.comm.world_size and time.monotonic() < deadline:
+            time.sleep(self.tick_s / 4)
+            states = board.states(request)
+        report = format_report(self.comm.rank, stuck_s, states, self.comm.world_size)
+        log.warning(report.text)
+        print(report.text, file=sys.stderr, flush=True)
+        if report.desync:
+            self.comm.stop_reason = report.text  # the waiting thread raises it (gloo)
+            board.publish_stop(report.text)  # and every other rank, with the same report
+
+    def _end_if_peer_failed(self, board: Any, stuck: Any) -> None:
+        """A peer failed or is gone, and this rank is still stuck ``fault_wait_s`` later, in a wait
+        that no Python code can interrupt (inside DCP, a device sync on NCCL): nothing will wake it."""
+        reason = self.comm.stop_reason
+        if reason is None and board.fault_count() > 0:
+            faults = [f for f in board.faults() if f.rank != self.comm.rank]
+            reason = fault_message(faults, self.comm.rank, stuck.describe(), None) if faults else None
+        if reason is None:
+            lost, silent_s = self._liveness.lost()
+            reason = (
+                lost_message(lost, self.comm.rank, stuck.describe(), None, silent_s=silent_s)
+                if lost
+                else None
+            )
+        if reason is None:
+            return
+        now = time.monotonic()
+        if self._fault_seen_at is None:
+            self._fault_seen_at = now
+        elif now - self._fault_seen_at >= max(self.comm.fault_wait_s, 2 * self.tick_s):
+            print(
+                f"lightning_zero watchdog: ending rank {self.comm.rank}: {reason}",
+                file=sys.stderr,
+                flush=True,
+            )
+            leave_without_destroying()
