@@ -106,8 +106,8 @@ class Engine:
             sync.consumed = lambda i: self.masters[id(sync.params[i])].grad is None
 
     def _grads_to_masters(self) -> None:
-        for p, grad in self.wrapped.sync.reduced_grads():
-            self.masters[id(p)].grad = None if grad is None else grad.to(self.policy.master_dtype)
+        for p, grad in self.wrapped.sync.reduced_grads(self.policy.master_dtype):
+            self.masters[id(p)].grad = grad
 
     @property
     def _reduce_dtype(self) -> torch.dtype | None:
@@ -125,6 +125,20 @@ class Engine:
     def gathered(self) -> Any:
         """Whole parameters inside (stage 3 gathers them; the other stages hold them whole)."""
         return nullcontext()
+
+    def grad_copies(self) -> int:
+        """Gradients copied or added into a bucket or unit buffer so far, rather than accumulated there
+        by autograd (stages 0, 1 and 3: none once a step's gradients land in their buffers; stage 2 and
+        a ``reduce_dtype`` of its own add each fresh gradient in, by design)."""
+        sync = self.wrapped.sync if self.wrapped is not None else None
+        if hasattr(sync, "units"):
+            return sum(u.grad_copies for u in sync.units)
+        return getattr(sync, "grad_copies", 0)
+
+    def prepare_backward(self) -> None:
+        """A backward follows: gradients in their buckets (undoing a ``zero_grad`` since forward)."""
+        if self.wrapped is not None and hasattr(self.wrapped.sync, "attach_grads"):
+            self.wrapped.sync.attach_grads()
 
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         """After the optimizer stepped: masters into the parameters; stages 1-2 all-gather them."""
@@ -209,9 +223,9 @@ class Engine:
         if not self.masters or self.finished:
             return
         with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.masters[id(p)])
-                p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
+            torch._foreach_copy_(self.params, [self.masters[id(p)] for p in self.params])
+        for p in self.params:
+            p.grad = None  # consumed through the master; the optimizer's zero_grad does not reach it
 
 
 def _refuse_meta(module: nn.Module, stage: int) -> None:

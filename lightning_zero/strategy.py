@@ -293,6 +293,13 @@ class ZeroStrategy(DDPStrategy):
         with self._engine.no_sync():
             yield None
 
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Lightning's closure calls ``zero_grad`` between forward and backward: the gradients go back
+        into their buckets before backward, so autograd accumulates there (no second copy)."""
+        if self._engine is not None:
+            self._engine.prepare_backward()
+
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return next(i for i, opt in enumerate(self.optimizers) if opt is inner)

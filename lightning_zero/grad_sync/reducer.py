@@ -204,6 +204,7 @@ class GradReducer:
         self.max_reduce_buffers = max_reduce_buffers
         self._in_flight: deque[Bucket] = deque()  # stage 2: launched buckets not yet handed on, oldest first
         self.buffer_meter = GatherMeter()  # stage 2: bytes of bucket storage allocated, now and at most
+        self.grad_copies = 0  # gradients copied or added into a bucket (not accumulated there by autograd)
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._build(self._plan())
@@ -258,15 +259,17 @@ class GradReducer:
         shards = [s.grad for s in self.spaces or () if s.grad is not None]
         return flats + shards + [p.grad for p in self.params if p.grad is not None]
 
-    def reduced_grads(self) -> list[tuple[Parameter, Tensor | None]]:
-        """Stage 0, after a synchronised backward: each parameter's averaged gradient (its
-        ``.grad``, or its bucket slot when the buckets have another dtype), None where no rank used it."""
-        if self.attach_views:
-            return [(p, p.grad) for p in self.params]
-        return [
-            (p, None if i in self._dropped else self._slot[i][0].views[self._slot[i][1]])
-            for i, p in enumerate(self.params)
-        ]
+    def reduced_grads(self, dtype: torch.dtype | None = None) -> list[tuple[Parameter, Tensor | None]]:
+        """Stage 0, after a synchronised backward: each parameter's averaged gradient, a view of its
+        bucket (converted to ``dtype`` with one copy per bucket), None where no rank used it."""
+        out = []
+        for bucket in self.buckets:
+            flat = bucket.flat if dtype in (None, bucket.flat.dtype) else bucket.flat.to(dtype)
+            for j, offset in zip(bucket.spec.params, bucket.spec.offsets):
+                p = self.params[j]
+                dropped = p.grad is None if self.attach_views else j in self._dropped
+                out.append((p, None if dropped else flat[offset : offset + p.numel()].view_as(p)))
+        return out
 
     def bucket_specs(self) -> list[BucketSpec]:
         return [b.spec for b in self.buckets]
@@ -295,21 +298,38 @@ class GradReducer:
         """The step raised: nothing to undo."""
 
     def prepare_forward(self) -> None:
-        """Point every ``.grad`` at its bucket slot (zeroed where the gradient was cleared)."""
-        if not self.attach_views or not torch.is_grad_enabled():  # evaluation: gradients untouched
+        """A training forward begins: every ``.grad`` in its bucket slot (see :meth:`attach_grads`)."""
+        if torch.is_grad_enabled():  # evaluation: gradients untouched
+            self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """Point every ``.grad`` at its bucket slot, so that autograd accumulates into the bucket with
+        no second copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its
+        gradients were cleared, as ``zero_grad`` leaves them), a replaced one copied in. Called again
+        right before backward, after Lightning's ``zero_grad`` (which runs between forward and backward)."""
+        if not self.attach_views:
             return
-        for i, p in enumerate(self.params):
-            bucket, k = self._slot[i]
-            view = bucket.views[k]
-            if p.grad is None:
-                self._writable(bucket)
-                view.zero_()
-                p.grad = view
-                self._window_used[i] = False
-            elif p.grad.data_ptr() != view.data_ptr():
-                self._writable(bucket)
-                view.copy_(p.grad)
-                p.grad = view
+        for bucket in self.buckets:
+            grads = [p.grad for p in bucket.params]
+            if all(g is None for g in grads):
+                self._writable(bucket).zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+                for j in bucket.spec.params:
+                    self._window_used[j] = False
+                continue
+            for k, (p, grad) in enumerate(zip(bucket.params, grads)):
+                view = bucket.views[k]
+                if grad is None:
+                    self._writable(bucket)
+                    view.zero_()
+                    p.grad = view
+                    self._window_used[bucket.spec.params[k]] = False
+                elif grad.data_ptr() != view.data_ptr():
+                    self._writable(bucket)
+                    view.copy_(grad)
+                    p.grad = view
+                    self.grad_copies += 1
 
     # -- backward side -----------------------------------------------------------------------
 
@@ -341,12 +361,14 @@ class GradReducer:
             self._start_window(i)
             bucket.views[k].add_(param.grad)
             param.grad = None
+            self.grad_copies += 1
             return
         view = bucket.views[k]
         if param.grad.data_ptr() != view.data_ptr():
             self._writable(bucket)
             view.copy_(param.grad)
             param.grad = view
+            self.grad_copies += 1
 
     def _start_window(self, i: int) -> None:
         """Stage 0 added slots: zero slot ``i`` once its consumer dropped the last reduced value."""

@@ -287,6 +287,7 @@ class ZeroThree:
             return
         unit.state = PRE_BACKWARD
         unit.gather()
+        unit.attach_grads()
         self._prefetch(unit, self._backward_order())
 
     def _backward_order(self) -> list[ShardedUnit]:

@@ -278,6 +278,8 @@ class ShardedUnit:
         self.pending = len(self.params)  # trainable parameters whose gradient is not yet accumulated
         self.used = [False] * len(self.params)  # got a gradient in this backward (this rank)
         self.inputs_pending = 0  # calls whose inputs' gradients are still to come (units with frozen weights)
+        self.grad_buffer: Tensor | None = None  # 1D, padded_numel: where its gradients accumulate in backward
+        self.grad_copies = 0  # gradients copied into a buffer (not accumulated there by autograd)
         self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
         self.reduce_in: Tensor | None = None  # 1D, padded_numel: its input, kept alive until done
         self.reduce_out: Tensor | None = None  # 1D, shard_numel: its output
@@ -372,21 +374,58 @@ class ShardedUnit:
         inputs (for a unit with frozen weights, which no gradient hook tracks)."""
         return self.pending == 0 and self.inputs_pending == 0
 
-    def reduce_scatter(self) -> None:
-        """Copy the unit's gradients into a flat buffer, free them, start the ReduceScatter."""
-        space = self.flat
-        flat = torch.zeros(space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device)
+    def attach_grads(self) -> None:
+        """Its backward begins: the trainable parameters' ``.grad`` become views of one flat buffer
+        (1D, padded_numel), so autograd accumulates there and the reduce-scatter sends it as it is,
+        with no copy. A buffer kept from a ``no_sync`` micro-batch is reused: a gradient cleared since
+        (``zero_grad``) zeroes its slot, one replaced is copied in. Gradients of another dtype on the
+        wire (``reduce_dtype``) are added in at the end instead."""
+        if self.trainable is None or self.reduce_dtype != self.trainable.full.dtype:
+            return
+        space, buffer = self.flat, self.grad_buffer
+        if buffer is None:
+            buffer = torch.zeros(
+                space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device
+            )
+            self._count_buffer(buffer.numel() * buffer.element_size())
+            self.grad_buffer = buffer
         for p, shape, offset in zip(self.params, space.shapes, space.offsets):
-            if p.grad is not None:  # the unit may be freed already (waiting for its turn): use the shape
-                flat[offset : offset + shape.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat.div_(self.comm.world_size)
-        if self.buffer_meter is not None:
-            self.buffer_meter.add(flat.numel() * flat.element_size())
-        self.reduce_in = flat
-        self.reduce_out = torch.empty(space.shard_numel, dtype=flat.dtype, device=flat.device)
+            view = buffer[offset : offset + shape.numel()].view(shape)
+            if p.grad is None:
+                view.zero_()  # no-op work on a fresh buffer; clears a kept one
+            elif not _views(p.grad, buffer, offset):  # accumulated elsewhere (set by hand, or before)
+                view.copy_(p.grad)
+                self.grad_copies += 1
+            p.grad = view
+
+    def reduce_scatter(self) -> None:
+        """Start the ReduceScatter of the unit's gradients (the buffer they accumulated in, or a
+        copy where they did not), freeing the parameters' ``.grad``."""
+        space, buffer = self.flat, self.grad_buffer
+        if buffer is None:
+            buffer = torch.zeros(
+                space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device
+            )
+            self._count_buffer(buffer.numel() * buffer.element_size())
+        attached = buffer is self.grad_buffer
+        for p, shape, offset in zip(self.params, space.shapes, space.offsets):
+            grad, region = p.grad, buffer[offset : offset + shape.numel()]
+            if grad is None:
+                if attached:  # cleared after it was attached: its slot holds stale values
+                    region.zero_()
+            elif not _views(grad, buffer, offset):  # the unit may be freed: use the shape
+                region.copy_(grad.reshape(-1))
+                self.grad_copies += 1
+            p.grad = None
+        buffer.div_(self.comm.world_size)
+        self.reduce_in, self.grad_buffer = buffer, None
+        self.reduce_out = torch.empty(space.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
-        self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, flat, name=name)
+        self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name)
+
+    def _count_buffer(self, nbytes: int) -> None:
+        if self.buffer_meter is not None:
+            self.buffer_meter.add(nbytes)
 
     def finish_reduce(self) -> None:
         """Wait for the ReduceScatter, add its output into the shard gradient, free the buffer."""
@@ -394,8 +433,7 @@ class ShardedUnit:
             return
         self.reduce_handle.wait()
         self.flat.accumulate_grad(self.reduce_out)
-        if self.buffer_meter is not None:
-            self.buffer_meter.add(-self.reduce_in.numel() * self.reduce_in.element_size())
+        self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
     def end_backward(self) -> None:
@@ -404,6 +442,11 @@ class ShardedUnit:
         self.pending = len(self.params)
         self.used = [False] * len(self.params)
         self.inputs_pending = 0
+
+
+def _views(grad: Tensor, buffer: Tensor, offset: int) -> bool:
+    """``grad`` is the view of ``buffer`` that starts at element ``offset``."""
+    return grad.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
 
 
 def _by_dtype(params: list[tuple[str, nn.Parameter]]) -> dict:
