@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.serialization import _open_zipfile_writer, location_tag
+from torch.serialization import _open_zipfile_writer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.flat_param import FlatParameter
@@ -124,7 +124,7 @@ class _Pickler(pickle.Pickler):
                 "storage",
                 getattr(torch, obj._pickle_storage_type()),
                 key,
-                location_tag(storage),
+                "cpu",  # written from host memory (see write): loads onto the CPU wherever it was saved
                 obj._size(),
             )
         return None

@@ -74,6 +74,7 @@ def save_full(
         if streamed:
             checkpoint = _materialize(checkpoint, engine, comm, gather, items)
         if comm.rank == 0:
+            checkpoint = on_host(checkpoint)
             add_full_checksums(checkpoint)  # see [Note: checkpoint checksums]
             checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
     else:
@@ -87,10 +88,25 @@ def save_full(
             if comm.rank == 0:
                 _fsync(partial)
         elif comm.rank == 0:
-            _write_synced(checkpoint, partial)
+            _write_synced(on_host(checkpoint), partial)
         if comm.rank == 0:
             _publish(partial, Path(path), keep_previous=keep_previous)
     comm.barrier(name="checkpoint/barrier/published")
+
+
+def on_host(obj: Any) -> Any:
+    """``obj`` with its device tensors copied to the CPU: a full checkpoint loads onto the CPU
+    wherever it was saved (each rank then puts its part on its own device), never onto ``cuda:0``."""
+    if isinstance(obj, Tensor):
+        return obj if obj.device.type == "cpu" else obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        out = obj.copy()  # keeps its type (OrderedDict, defaultdict)
+        for key, value in obj.items():
+            out[key] = on_host(value)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(on_host(v) for v in obj)
+    return obj
 
 
 def _device(engine: Any) -> torch.device:

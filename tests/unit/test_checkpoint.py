@@ -205,3 +205,16 @@ def test_state_dict_type_is_checked_where_it_enters():
             cfg = compose("config", overrides=[f"strategy=zero{stage}", "strategy.state_dict_type=sharded"])
             assert cfg.strategy.state_dict_type == "sharded"
         assert compose("config").strategy.state_dict_type == "full"
+
+
+def test_full_checkpoints_hold_host_tensors():
+    """A full checkpoint loads onto the CPU wherever it was saved: device tensors are copied to the
+    host before writing, host tensors kept as they are (tests/gpu checks a CUDA model's file)."""
+    from collections import OrderedDict
+
+    from lightning_zero.checkpoint.full import on_host
+
+    state = {"state_dict": OrderedDict(w=torch.ones(2)), "opt": [{"m": torch.zeros(3)}], "step": 3}
+    moved = on_host(state)
+    assert isinstance(moved["state_dict"], OrderedDict) and moved["step"] == 3
+    assert moved["state_dict"]["w"] is state["state_dict"]["w"]  # already on the host: not copied
