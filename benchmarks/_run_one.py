@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precision", default=DEFAULT_PRECISION, choices=PRECISION_NAMES, help="Trainer(precision=)"
     )
     p.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    p.add_argument(
+        "--profile-from",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="rank 0 profiles its steps from STEP on (cProfile) into OUT.profile.json (see StepProfile)",
+    )
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -132,6 +139,78 @@ class StepTimer(L.Callback):
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
 
 
+class StepProfile(L.Callback):
+    """Where rank 0's step time goes, from ``cProfile`` over steps ``start`` to the end.
+
+    Every profiled call's own time (not its callees') falls in one bucket: ``package python``
+    (functions of ``lightning_zero``), ``package tensor ops`` (torch calls made directly by them:
+    copies, fills, views, flattening), ``collectives`` (``torch.distributed`` calls and the waits
+    on their handles or on the locks a wait blocks on, wherever called from) and ``rest`` (the model, autograd, the optimizer,
+    Lightning). cProfile slows Python code down, so the buckets are compared between strategies,
+    not to the timed runs.
+    """
+
+    def __init__(self, out: Path, start: int) -> None:
+        self.out, self.start = out, start
+        self.profile: Any = None
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 0 and batch_idx == self.start:
+            import cProfile
+
+            self.profile = cProfile.Profile()
+            self.profile.enable()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.profile is not None:
+            self.steps += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profile is None:
+            return
+        self.profile.disable()
+        Path(f"{self.out}.profile.json").write_text(json.dumps(profile_buckets(self.profile, self.steps)))
+
+
+def profile_buckets(profile: Any, steps: int) -> dict[str, Any]:
+    """Milliseconds per step in each bucket of :class:`StepProfile`, and the top package entries."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    package = f"{os.sep}lightning_zero{os.sep}"
+    buckets = dict.fromkeys(("package python", "package tensor ops", "collectives", "rest"), 0.0)
+    top: dict[str, float] = {}
+    for (filename, _, name), (_, _, own, _, callers) in stats.items():
+        if package in filename:
+            bucket = "package python"
+            key = f"{filename.split(package)[-1]}:{name}"
+            top[key] = top.get(key, 0.0) + own
+        elif f"{os.sep}torch{os.sep}distributed{os.sep}" in filename or any(w in name for w in _WAITS):
+            bucket = "collectives"
+        elif filename == "~" and any(package in caller[0] for caller in callers):
+            bucket = "package tensor ops"
+            # a builtin called from several places: charge the share called from the package
+            total = sum(c[2] for c in callers.values()) or 1.0
+            mine = sum(c[2] for caller, c in callers.items() if package in caller[0])
+            buckets["rest"] += own * (1 - mine / total)
+            own *= mine / total
+        else:
+            bucket = "rest"
+        buckets[bucket] += own
+    per_step = {k: v * 1e3 / max(steps, 1) for k, v in buckets.items()}
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:8]
+    return {
+        "steps": steps,
+        "ms_per_step": per_step,
+        "top_package_ms": {k: v * 1e3 / max(steps, 1) for k, v in ranked},
+    }
+
+
+# issuing and waiting: c10d's own calls, and the locks a wait in slices (or a waiter thread) blocks on
+_WAITS = ("_distributed_c10d", "'acquire' of '_thread.lock'", "'acquire' of '_thread.RLock'")
+
+
 def model_state(trainer: L.Trainer) -> dict[str, Any]:
     """Model-state bytes on this rank and, for ZeroStrategy, the last step's collectives.
 
@@ -193,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=root,
-            callbacks=[timer],
+            callbacks=[timer]
+            if args.profile_from is None
+            else [timer, StepProfile(args.out, args.profile_from)],
         )
         start = time.perf_counter()
         trainer.fit(model, datamodule=data)

@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_zero.comm.collectives import _FAILED
+from lightning_zero.comm.faults import leave_without_destroying
+
 
 def _entry(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,8 +23,18 @@ def _entry(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_d
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        leave_after_expected_failures()
     finally:
         dist.destroy_process_group()
+
+
+def leave_after_expected_failures() -> None:
+    """A test function that returned normally but let a fit fail on purpose (and caught the error):
+    the package then ends the process with status 1 at exit, without destroying the group (see
+    [Note: waiting without hanging] in lightning_zero/comm/collectives.py). The result is saved and
+    is what the test checks: leave with status 0, the same way."""
+    if _FAILED["comm"] is not None:
+        leave_without_destroying(status=0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, out_dir: str, *args: Any) -> list[Any]:
