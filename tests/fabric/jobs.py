@@ -114,7 +114,7 @@ def train(
         tokens, targets = batch(j, fabric.global_rank)
         stepping = (j + 1) % loop.accumulate == 0
         parts = (slice(0, BATCH // 2), slice(BATCH // 2, None)) if loop.halves else (slice(None),)
-        before = len(ledger.records) if ledger is not None else 0
+        before = ledger.recorded if ledger is not None else 0
         total = 0.0
         with fabric.no_backward_sync(model, enabled=not stepping):
             for part in parts:
@@ -122,7 +122,7 @@ def train(
                 fabric.backward(loss / loop.accumulate)
                 total += loss.item()
         if ledger is not None and not stepping:
-            inside.update(r.op for r in ledger.records[before:])
+            inside.update(r.op for r in ledger.records_since(before))
         losses.append(total)
         if stepping:
             _clip(fabric, model, optimizer, loop.clip)

@@ -85,20 +85,25 @@ class Act(Callback):
 
 
 def signal_during_full_saves(rank: int, signum: int, times: int) -> None:
-    """Rank ``rank`` sends itself ``signum`` ``times`` times while writing its first full checkpoint."""
+    """Rank ``rank`` sends itself ``signum`` ``times`` times while writing its first full checkpoint
+    (written whole at stage 0, streamed while gathered at stages 1-3)."""
     from lightning_zero.checkpoint import full
 
-    original, calls = full._write_synced, []
+    calls = []
 
-    def write_synced(obj, path):
-        calls.append(path)
-        if len(calls) == 1 and int(os.environ["LOCAL_RANK"]) == rank:
-            print(f"rank {rank} signals itself while saving {path}", flush=True)
-            for _ in range(times):
-                os.kill(os.getpid(), signum)
-        original(obj, path)
+    def signalling(original):
+        def write(obj, path, *args):
+            calls.append(path)
+            if len(calls) == 1 and int(os.environ["LOCAL_RANK"]) == rank:
+                print(f"rank {rank} signals itself while saving {path}", flush=True)
+                for _ in range(times):
+                    os.kill(os.getpid(), signum)
+            original(obj, path, *args)
 
-    full._write_synced = write_synced
+        return write
+
+    full._write_synced = signalling(full._write_synced)
+    full.write_streamed = signalling(full.write_streamed)
 
 
 class Final(Callback):
@@ -106,7 +111,7 @@ class Final(Callback):
         self.out = out
 
     def on_train_end(self, trainer, pl_module) -> None:
-        state = trainer.strategy.lightning_module_state_dict()  # every rank takes part
+        state = trainer.strategy.full_state_dict()  # every rank takes part; the values on rank 0
         if trainer.is_global_zero:
             torch.save({k: v.detach().clone() for k, v in state.items()}, self.out / "final.pt")
         guard = trainer.strategy.nonfinite_guard

@@ -89,8 +89,10 @@ class SaveRankParams(Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer, pl_module):
-        # through the strategy: stage 3 holds only shards until teardown (every rank takes part)
-        state = trainer.strategy.full_state_dict(rank0_only=False)
+        # through the strategy: stage 3 holds only shards until teardown (every rank takes part);
+        # the references (Lightning's ddp, one process) hold the module whole
+        full = getattr(trainer.strategy, "full_state_dict", None)
+        state = full(rank0_only=False) if full is not None else pl_module.state_dict()
         params = {n: state[n].detach().clone() for n, _ in pl_module.named_parameters()}
         params["global_step"] = torch.tensor(float(trainer.global_step))
         torch.save(params, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
