@@ -44,8 +44,8 @@ def placement(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
 
 class RecordRank(Callback):
     """Writes ``rank<r>.pt`` at the end of training: this rank's full parameters on the host, its
-    device, where its tensors were when training started (after a checkpoint was restored), and
-    how the ZeroMonitor among the callbacks timed exposed communication.
+    device, where its tensors were when training started (after a checkpoint was restored) and when
+    it ended, and how the ZeroMonitor among the callbacks timed exposed communication.
 
     Args:
         out_dir: where the files go.
@@ -65,9 +65,9 @@ class RecordRank(Callback):
         monitors = [c for c in trainer.callbacks if isinstance(c, ZeroMonitor)]
         record = {
             "params": {n: state[n].detach().cpu() for n, _ in pl_module.named_parameters()},
-            "trained_on": sorted({str(v.device) for v in state.values()}),
             "root_device": str(strategy.root_device),
             "at_start": self._start,
+            "at_end": placement(trainer, pl_module),
             "monitor_timing": monitors[0].timing if monitors else None,
         }
         torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

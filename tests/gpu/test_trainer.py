@@ -34,7 +34,7 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_one_gpu_matches_plain_lightning(one_gpu: dict, stage: int):
     run, plain = one_gpu["runs"][stage], one_gpu["runs"]["auto"]
-    assert run["trained_on"] == plain["trained_on"] == ["cuda:0"]
+    assert run["at_end"]["devices"] == plain["at_end"]["devices"] == ["cuda:0"]
     assert max_diff(run["params"], plain["params"]) <= TOL
 
 
