@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-slow lint format bench clean
+.PHONY: install train test test-slow gpu-check lint format bench clean
 
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: lint
 
 test-slow: install
 	$(PY) -m pytest -q -p no:cacheprovider -m slow $(ARGS)
+
+# the tests marked gpu (they skip without CUDA), then the one-GPU overhead benchmark (without a GPU
+# it says so and passes); ARGS go to pytest, BENCH_ARGS to the benchmark
+gpu-check: install
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(ARGS)
+	$(PY) benchmarks/bench_gpu_overhead.py --out-dir benchmarks/results $(BENCH_ARGS)
 
 format: install
 	$(VENV)/bin/ruff format .

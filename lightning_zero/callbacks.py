@@ -8,7 +8,9 @@ step number the strategy's ledger uses (0 for the first optimizer step):
 
     zero/<op>_calls, zero/<op>_bytes, zero/<op>_wire_bytes   per op in OPS (and any other op
                                                               the step ran); bytes are logical
-    zero/<op>_wait_s, zero/exposed_comm_s                     seconds blocked in wait()
+    zero/<op>_wait_s, zero/exposed_comm_s                     seconds lost waiting for collectives
+    zero/exposed_comm_cuda_events                              1: timed with CUDA events on the
+                                                              stream, 0: with the host's clock
     zero/mem_params_bytes, zero/mem_optim_bytes                after the optimizer step
     zero/mem_grads_bytes                                       just before the optimizer step
     zero/mem_gathered_bytes                                    stage 3: units gathered into backward
@@ -38,6 +40,16 @@ equal on all ranks even when one rank is slow: the fast ranks spend the differen
 ``wait()``. A rank's busy time, its step time minus the time it was blocked waiting for this
 package's collectives, keeps the difference; its spread over ranks (max / min) is the straggler
 signal. The wall-clock spread only shows work done after the last collective of a step.
+
+[Note: exposed communication on GPUs]
+A wait for a collective on CUDA tensors does not block the host: the compute stream waits. The
+ledger times those waits with CUDA events on the stream and resolves them lazily ([Note: timing a
+wait] in ``comm/timing.py``). The window waits for the rank's CUDA stream when it opens and when
+it closes (so that its wall time is that of the step's kernels, not of their launch) and then
+reads the ledger's waits, whose events have run by then. These are the monitor's own
+synchronisations, two per step at its ends (its step-time all-gather synchronises there too),
+never the training path's. Each step says how its waits were timed (``StepSample.timing``), and
+the summary says it for the run.
 """
 
 from __future__ import annotations
@@ -59,7 +71,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.comm import CommLedger
-from lightning_zero.comm.ledger import OpTotals, wire_bytes
+from lightning_zero.comm.ledger import OpTotals, timing_of, wire_bytes
+from lightning_zero.comm.timing import CUDA_EVENTS
 from lightning_zero.memory import MemoryReport
 from lightning_zero.planning import MemoryEstimate, model_state_memory, optimizer_k, step_traffic
 from lightning_zero.precision import ZeroGradScaler
@@ -219,6 +232,7 @@ class StepSample(NamedTuple):
     memory: MemoryReport | None  # params, optimizer after the step, grads before it; None: no ledger
     gathered: int  # bytes of parameters held beyond the resting ones when backward starts
     times: Tensor  # (N, 2): per rank, wall-clock and busy seconds of the step
+    timing: str | None = None  # how the waits were timed: "wall-clock", "cuda-events"; None: no wait
 
 
 def traffic_of(records: Sequence[Any]) -> dict[str, OpTotals]:
@@ -259,6 +273,7 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
             metrics[f"{op}_wire_bytes"] = float(totals.wire_bytes)
             metrics[f"{op}_wait_s"] = sample.waits.get(op, 0.0)
         metrics["exposed_comm_s"] = sum(sample.waits.values())
+        metrics["exposed_comm_cuda_events"] = float(CUDA_EVENTS in (sample.timing or ""))
         metrics["mem_params_bytes"] = float(sample.memory.parameters)
         metrics["mem_grads_bytes"] = float(sample.memory.gradients)
         metrics["mem_optim_bytes"] = float(sample.memory.optimizer_states)
@@ -277,35 +292,50 @@ def loss_scale_metrics(trainer: pl.Trainer) -> dict[str, float]:
 
 
 class _Window:
-    """The records, blocked time and wall time of one optimizer step (see [Note: a step's window])."""
+    """The records, blocked time and wall time of one optimizer step (see [Note: a step's window]).
 
-    def __init__(self, step: int, ledger: CommLedger | None) -> None:
+    On a CUDA ``device`` the window waits for the stream at its ends, so that its wall time is
+    that of the step's kernels, not of their launch (see [Note: exposed communication on GPUs]).
+    """
+
+    def __init__(self, step: int, ledger: CommLedger | None, *, device: torch.device | None = None) -> None:
         self.step = step  # trainer.global_step when the window opened
         self.ledger = ledger  # None: a strategy without a ledger
+        self.device = device  # the rank's device; CUDA: the window's ends wait for its stream
         self.records: list = []  # CommRecords of the closed segments
         self.waits: Counter[str] = Counter()  # op -> seconds blocked in the closed segments
+        self.timed: Counter[str] = Counter()  # timing method -> waits timed with it, closed segments
         self.elapsed = 0.0  # wall seconds of the closed segments
         self.open = False  # a segment is running
         self._start = 0.0  # perf_counter at the start of the open segment
         self._index = 0  # ledger.recorded at the start of the open segment
         self._waits: Counter[str] = Counter()  # ledger wait totals at the start of the open segment
+        self._timed: Counter[str] = Counter()  # ledger wait timings at the start of the open segment
         self.resume()
 
     def resume(self) -> None:
         if self.open:
             return
+        self._sync()
         self.open, self._start = True, time.perf_counter()
         if self.ledger is not None:  # O(ops): see [Note: bounded ledger]
             self._index, self._waits = self.ledger.recorded, self.ledger.wait_totals()
+            self._timed = self.ledger.wait_timings()
 
     def pause(self) -> None:
         if not self.open:
             return
         self.open = False
+        self._sync()
         self.elapsed += time.perf_counter() - self._start
         if self.ledger is not None:  # O(collectives of the segment), whatever the run's length
             self.records.extend(self.ledger.records_since(self._index))
-            self.waits.update(self.ledger.wait_totals() - self._waits)
+            self.waits.update(self.ledger.wait_totals() - self._waits)  # settles pending waits first
+            self.timed.update(self.ledger.wait_timings() - self._timed)
+
+    def _sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 # --------------------------------------------------------------------------- the callback
@@ -341,6 +371,14 @@ class ZeroMonitor(Callback):
         self._wall_sum = 0.0  # seconds: sum over steps of the slowest rank's step time
         self._exposed_sum = 0.0  # seconds: sum over steps of this rank's exposed communication
         self._worst_busy_ratio = 1.0  # largest busy-time max/min over ranks of any logged step
+        self._timed: Counter[str] = Counter()  # timing method -> waits timed with it, all steps
+
+    @property
+    def timing(self) -> str | None:
+        """How this rank's exposed communication was timed so far: ``"wall-clock"`` (host clock
+        around a blocking wait), ``"cuda-events"`` (on the CUDA stream), both joined by " + "; None
+        while no step waited for a collective. See [Note: exposed communication on GPUs]."""
+        return timing_of(self._timed)
 
     @staticmethod
     def _zero(trainer: pl.Trainer) -> ZeroStrategy | None:
@@ -360,7 +398,8 @@ class ZeroMonitor(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._window is None:
             zero = self._zero(trainer)
-            self._window = _Window(trainer.global_step, zero.ledger if zero is not None else None)
+            ledger = zero.ledger if zero is not None else None
+            self._window = _Window(trainer.global_step, ledger, device=trainer.strategy.root_device)
             self._grads = self._forward_params = 0
 
     @override
@@ -397,6 +436,7 @@ class ZeroMonitor(Callback):
         log_now = window.step % self.log_every_n_steps == 0
         sample = self._measure(trainer, window, gather_times=log_now)
         self._remember(sample)
+        self._timed.update(window.timed)
         if log_now and trainer.is_global_zero:
             metrics = {**step_metrics(sample), **loss_scale_metrics(trainer)}
             for logger in trainer.loggers:
@@ -416,9 +456,8 @@ class ZeroMonitor(Callback):
         memory = MemoryReport(report.parameters, self._grads, report.optimizer_states)
         gathered = max(self._forward_params - report.parameters, 0)
         self._shape = run_shape(trainer, zero)
-        return StepSample(
-            window.step, traffic_of(window.records), dict(window.waits), memory, gathered, times
-        )
+        traffic, waits, timing = traffic_of(window.records), dict(window.waits), timing_of(window.timed)
+        return StepSample(window.step, traffic, waits, memory, gathered, times, timing)
 
     def _remember(self, sample: StepSample) -> None:
         self._last = sample
@@ -434,9 +473,8 @@ class ZeroMonitor(Callback):
         if not (self.print_summary and trainer.is_global_zero and self._last is not None):
             return
         typical = dict(self._traffic_seen.most_common(1)[0][0])
-        timing = StepTimes(
-            self._steps, self._wall_sum / self._steps, self._exposed_sum / self._steps, self._worst_busy_ratio
-        )
+        mean_wall, mean_exposed = self._wall_sum / self._steps, self._exposed_sum / self._steps
+        timing = StepTimes(self._steps, mean_wall, mean_exposed, self._worst_busy_ratio, self.timing)
         sections = summary_sections(self._shape, typical, self._last.memory, self._gathered_max, timing)
         print_sections(sections)
 
@@ -474,6 +512,7 @@ class StepTimes(NamedTuple):
     mean_step_s: float  # mean wall-clock step time of the slowest rank
     mean_exposed_s: float  # mean exposed communication of rank 0
     worst_busy_ratio: float  # largest busy-time max/min over ranks of any logged step
+    exposed_timing: str | None = None  # how exposed communication was timed; None: no wait
 
 
 class Section(NamedTuple):
@@ -612,6 +651,7 @@ def summary_sections(
         ("optimizer steps measured", f"{timing.steps}"),
         ("mean step time (slowest rank)", f"{timing.mean_step_s * 1e3:.4g} ms"),
         ("mean exposed communication (rank 0)", f"{timing.mean_exposed_s * 1e3:.4g} ms"),
+        ("exposed communication timed with", timing.exposed_timing or "- (no collective waited)"),
         ("worst busy-time max/min over ranks", f"{timing.worst_busy_ratio:.3g}"),
     ]
     times = Section("step times", ("quantity", "value"), rows)

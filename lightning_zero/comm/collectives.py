@@ -61,6 +61,7 @@ from lightning_zero.comm.faults import (
     this_process,
 )
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.timing import CUDA_EVENTS, StreamInterval, timing_for
 from lightning_zero.comm.tracker import CollectiveTracker, Issued
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
@@ -120,11 +121,13 @@ class CollectivesStopped(RuntimeError):
 
 
 class Handle:
-    """An issued collective; ``wait()`` blocks until its result is in the output tensor.
+    """An issued collective; after ``wait()`` its result is in the output tensor (for CUDA tensors:
+    for the kernels queued on the current stream after it).
 
-    The time a caller spends blocked in ``wait()`` is communication that computation did not
-    hide (exposed communication); it is added to the ledger under the collective's op (control
-    collectives: not at all). See [Note: waiting without hanging].
+    The time ``wait()`` holds the caller up is communication that computation did not hide
+    (exposed communication); it is added to the ledger under the collective's op (control
+    collectives: not at all), timed on the host for CPU tensors and on the CUDA stream for CUDA
+    tensors (see [Note: timing a wait] in ``timing.py``). See [Note: waiting without hanging].
     """
 
     def __init__(
@@ -133,19 +136,28 @@ class Handle:
         comm: Communicator | None = None,
         op: str | None = None,
         issued: Issued | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self._work = work  # torch Work object, None when the collective was a no-op
         self._comm = comm  # waits for it, explains its failure
         self._op = op  # the ledger's key for the blocked time; None: a control collective
         self._issued = issued  # its sequence number, op, name and bytes
+        self._device = device  # where its tensors live: decides how the wait is timed
 
     def wait(self) -> None:
-        if self._work is not None:
+        if self._work is None:
+            return
+        if self._op is None:  # a control collective: not timed
+            self._comm.wait_for(self._work, self._issued)
+        elif timing_for(self._device) == CUDA_EVENTS:
+            interval = StreamInterval(self._device)
+            self._comm.wait_for(self._work, self._issued)
+            self._comm.ledger.add_stream_wait(self._op, interval.close())
+        else:
             start = time.perf_counter()
             self._comm.wait_for(self._work, self._issued)
-            if self._op is not None:
-                self._comm.ledger.add_wait(self._op, time.perf_counter() - start)
-            self._work = None
+            self._comm.ledger.add_wait(self._op, time.perf_counter() - start)
+        self._work = None
 
     @property
     def done(self) -> bool:
@@ -247,7 +259,16 @@ class Communicator:
         except StoreUnreachable:
             return
 
-    def _issue(self, op: str, name: str, payload_bytes: int, launch: Any, *, control: bool = False) -> Handle:
+    def _issue(
+        self,
+        op: str,
+        name: str,
+        payload_bytes: int,
+        launch: Any,
+        *,
+        device: torch.device | None = None,
+        control: bool = False,
+    ) -> Handle:
         if not self.active:
             return Handle()
         self._check_can_issue(name)
@@ -259,7 +280,7 @@ class Communicator:
         with torch.profiler.record_function(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
-        return Handle(work, self, None if control else op, issued)
+        return Handle(work, self, None if control else op, issued, device)
 
     def _check_can_issue(self, name: str) -> None:
         if self.failure is not None:
@@ -374,9 +395,8 @@ class Communicator:
     def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Sum ``tensor`` in place across ranks."""
         nbytes = tensor.numel() * tensor.element_size()
-        handle = self._issue(
-            "all_reduce", name, nbytes, lambda: dist.all_reduce(tensor, group=self.group, async_op=True)
-        )
+        launch = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("all_reduce", name, nbytes, launch, device=tensor.device)
         if not async_op:
             handle.wait()
         return handle
@@ -389,6 +409,7 @@ class Communicator:
             name,
             nbytes,
             lambda: _REDUCE_SCATTER(output, input, group=self.group, async_op=True),
+            device=input.device,
         )
         if not self.active:
             output.copy_(input)
@@ -404,6 +425,7 @@ class Communicator:
             name,
             nbytes,
             lambda: _ALL_GATHER(output, input, group=self.group, async_op=True),
+            device=output.device,
         )
         if not self.active:
             output.copy_(input)
@@ -420,6 +442,7 @@ class Communicator:
             name,
             nbytes,
             lambda: dist.broadcast(tensor, src_global, group=self.group, async_op=True),
+            device=tensor.device,
             control=control,
         ).wait()
 
@@ -480,15 +503,18 @@ class Communicator:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def _issue_unmodelled(self, op: str, name: str, payload_bytes: int, wire: float, launch: Any) -> Handle:
-        """An op outside the ledger's ring model (gather, barrier), recorded with its own wire bytes."""
+    def _issue_unmodelled(
+        self, op: str, name: str, payload_bytes: int, wire: float, launch: Any, device: torch.device | None
+    ) -> Handle:
+        """An op outside the ledger's ring model (gather, barrier), recorded with its own wire bytes;
+        ``device``: where its tensors live (None: none, a barrier), which decides how its wait is timed."""
         self._check_can_issue(name)
         self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
         issued = self.tracker.issue(op, name, payload_bytes)
         with torch.profiler.record_function(name):
             work = launch()
         self.tracker.launched(issued, work)
-        return Handle(work, self, op, issued)
+        return Handle(work, self, op, issued, device)
 
     def gather(self, output: Tensor | None, input: Tensor, *, dst: int = 0, name: str) -> None:
         """Every rank's ``input`` (1D, one shard) concatenated into ``output`` (1D, N x shard) on rank
@@ -503,7 +529,9 @@ class Communicator:
         chunks = list(output.chunk(self.world_size)) if self.rank == dst else None
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         launch = lambda: dist.gather(input, chunks, dst=dst_global, group=self.group, async_op=True)  # noqa: E731
-        self._issue_unmodelled("gather", name, nbytes * self.world_size, float(nbytes), launch).wait()
+        self._issue_unmodelled(
+            "gather", name, nbytes * self.world_size, float(nbytes), launch, input.device
+        ).wait()
 
     def barrier(self, *, name: str, control: bool = False) -> None:
         """Return once every rank of the group has arrived here (``control``: counted apart)."""
@@ -515,7 +543,9 @@ class Communicator:
         if control:
             self._issue("barrier", name, 0, launch, control=True).wait()
         else:
-            self._issue_unmodelled("barrier", name, 0, 0.0, launch).wait()
+            self._issue_unmodelled(
+                "barrier", name, 0, 0.0, launch, None
+            ).wait()  # blocks the host, also on NCCL
 
     def save_checkpoint_items(
         self, state_dict: dict[str, Any], writer: Any, planner: Any, *, name: str, local: bool = False

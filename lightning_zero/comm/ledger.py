@@ -25,6 +25,10 @@ things of bounded size instead of one list that grows with the run:
   ``max_steps`` steps;
 - run totals per op, and the seconds blocked per op, over the whole run.
 
+Waits on CUDA tensors are timed on the stream ([Note: timing a wait] in ``timing.py``) and resolved
+later: ``pending`` holds only those whose events the GPU has not run yet (each new one first
+resolves those complete), and every read of the seconds blocked first resolves them all.
+
 Control collectives (the per-batch agreement on signals and data, the non-finite guard's flags,
 the exchange of host names at setup) are not ZeRO traffic: they are counted apart, in
 ``control``, so that the per-step figures compare one to one with the ZeRO plan.
@@ -35,7 +39,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from itertools import islice
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+from lightning_zero.comm.timing import CUDA_EVENTS, WALL_CLOCK
 
 _WIRE_FACTOR = {  # ring-algorithm bytes sent per rank, as a multiple of (N-1)/N x payload
     "all_reduce": 2.0,
@@ -53,6 +59,20 @@ class CommRecord(NamedTuple):
     payload_bytes: int  # size of the full logical tensor
     wire_bytes: float  # bytes one rank sends under the ring algorithm
     group_size: int  # N of the process group
+
+
+class Interval(Protocol):
+    """A wait timed on a device (a :class:`~lightning_zero.comm.timing.StreamInterval`)."""
+
+    def done(self) -> bool: ...
+
+    def seconds(self) -> float: ...
+
+
+class PendingWait(NamedTuple):
+    step: int  # the ledger's step when the wait happened
+    op: str  # the ledger's key for the blocked time
+    interval: Interval  # its events; resolved once they have run
 
 
 class OpTotals(NamedTuple):
@@ -103,6 +123,8 @@ class CommLedger:
         self._steps: OrderedDict[int, _StepTotals] = OrderedDict()  # the latest max_steps steps
         self._run: dict[str, OpTotals] = {}  # op -> totals over the whole run
         self._run_waits: Counter[str] = Counter()  # op -> seconds blocked over the whole run
+        self._timed: Counter[str] = Counter()  # timing method -> waits timed with it over the run
+        self.pending: deque[PendingWait] = deque()  # stream-timed waits the GPU has not finished
         self.control = OpTotals(0, 0, 0.0)  # control collectives: calls, payload, wire bytes
 
     def _totals_of(self, step: int) -> _StepTotals:
@@ -133,9 +155,46 @@ class CommLedger:
         self.control = OpTotals(calls + 1, payload + payload_bytes, wire + sent)
 
     def add_wait(self, op: str, seconds: float) -> None:
-        """Time the caller was blocked waiting for ``op`` collectives (communication not hidden)."""
-        self._totals_of(self.step).waits[op] += seconds
+        """Wall-clock time the caller was blocked waiting for ``op`` collectives (communication not
+        hidden)."""
+        self._timed[WALL_CLOCK] += 1
+        self._file_wait(self.step, op, seconds)
+
+    def add_stream_wait(self, op: str, interval: Interval) -> None:
+        """A wait for ``op`` timed on the device's stream, filed once its events have run (see
+        [Note: timing a wait] in ``timing.py``); never blocks."""
+        self._timed[CUDA_EVENTS] += 1
+        self._resolve(block=False)
+        self.pending.append(PendingWait(self.step, op, interval))
+
+    def settle(self) -> None:
+        """File every pending stream-timed wait, waiting for the GPU to run their events: for
+        readers (the monitor at the end of a step), never the training path."""
+        self._resolve(block=True)
+
+    def _resolve(self, *, block: bool) -> None:
+        while self.pending:  # one stream runs its events in order: stop at the first still running
+            step, op, interval = self.pending[0]
+            if not block and not interval.done():
+                return
+            self.pending.popleft()
+            self._file_wait(step, op, interval.seconds())
+
+    def _file_wait(self, step: int, op: str, seconds: float) -> None:
+        entry = self._totals_of(step) if step == self.step else self._steps.get(step)
+        if entry is not None:  # a step dropped from the kept ones counts in the run totals only
+            entry.waits[op] += seconds
         self._run_waits[op] += seconds
+
+    @property
+    def timing(self) -> str | None:
+        """How the waits were timed: ``"wall-clock"``, ``"cuda-events"`` (both, joined by " + "),
+        None before the first wait."""
+        return timing_of(self._timed)
+
+    def wait_timings(self) -> Counter[str]:
+        """Timing method -> waits timed with it over the whole run (a copy)."""
+        return Counter(self._timed)
 
     def records_since(self, recorded: int) -> list[CommRecord]:
         """The records made after the first ``recorded`` ones (those still in the window)."""
@@ -144,16 +203,19 @@ class CommLedger:
         return latest[::-1]
 
     def wait_totals(self) -> Counter[str]:
-        """Seconds blocked per op over the whole run (a copy)."""
+        """Seconds blocked per op over the whole run (a copy; pending waits settled first)."""
+        self.settle()
         return Counter(self._run_waits)
 
     def wait_seconds(self, step: int) -> dict[str, float]:
+        self.settle()
         entry = self._steps.get(step)
         return dict(entry.waits) if entry is not None else {}
 
     @property
     def waits(self) -> dict[tuple[int, str], float]:
-        """(step, op) -> seconds blocked, for the steps still kept."""
+        """(step, op) -> seconds blocked, for the steps still kept (pending waits settled first)."""
+        self.settle()
         return {(s, op): t for s, entry in self._steps.items() for op, t in entry.waits.items()}
 
     def clear(self) -> None:
@@ -162,6 +224,8 @@ class CommLedger:
         self._steps.clear()
         self._run.clear()
         self._run_waits.clear()
+        self._timed.clear()
+        self.pending.clear()
         self.control = OpTotals(0, 0, 0.0)
 
     def for_step(self, step: int) -> list[CommRecord]:
@@ -186,6 +250,11 @@ class CommLedger:
     def steps(self) -> list[int]:
         """The kept steps that issued a collective, in order."""
         return sorted(s for s, entry in self._steps.items() if entry.traffic)
+
+
+def timing_of(timed: Counter[str]) -> str | None:
+    """The timing methods with a wait in ``timed`` (method -> waits), joined by " + "; None if none."""
+    return " + ".join(sorted(method for method, count in timed.items() if count > 0)) or None
 
 
 def _sum_records(records: Iterable[CommRecord]) -> dict[str, OpTotals]:

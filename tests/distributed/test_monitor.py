@@ -174,6 +174,7 @@ def check_traffic(rows, stage: int, n: int, psi: int, root: int, accumulate: int
             else:
                 assert calls == 0 and wire == 0, (stage, op, row["step"])
         assert row["zero/exposed_comm_s"] == pytest.approx(sum(row[f"zero/{op}_wait_s"] for op in OPS))
+        assert row["zero/exposed_comm_cuda_events"] == 0.0  # CPU tensors: timed with the host's clock
 
 
 def check_memory(rows, stage: int, n: int, psi: int, root: int, tensors: int) -> None:
@@ -238,6 +239,9 @@ def check_printed_summary(out: str) -> None:
     for stage, runs in ((0, 2), (1, 1), (2, 1), (3, 1)):  # the straggler run is stage 0 too
         assert out.count(f"ZeroMonitor: predicted vs measured, Ψ = 5,440, N = 2, stage {stage}\n") == runs
     assert out.count("optimizer steps measured") == 6  # the ddp run prints its step times too
+    timed = [line for line in out.splitlines() if "exposed communication timed with" in line]
+    assert sum("wall-clock" in line for line in timed) == 5  # every ZeRO run, on CPU tensors
+    assert sum("no collective waited" in line for line in timed) == 1  # the ddp run: no ledger
     stage3 = out[out.index("stage 3\n") :]
     gather = next(line for line in stage3.splitlines() if "all_gather" in line)
     assert gather.count("20.2 KiB") == 2 and gather.rstrip(" │").endswith("+0 B")  # wire: predicted, measured

@@ -6,9 +6,11 @@ import time
 import tracemalloc
 
 import pytest
+import torch
 
 from lightning_zero.callbacks import _Window
 from lightning_zero.comm import CommLedger, OpTotals
+from tests.unit.fakes import FakeInterval
 
 
 def _run(ledger: CommLedger, steps: int, *, per_step: int = 3) -> None:
@@ -84,3 +86,83 @@ def test_a_monitor_window_costs_the_collectives_of_its_step_not_the_run():
     long = window_time()
     assert long < 3 * short + 0.05, (short, long)
     assert len(window_records := _Window(step=0, ledger=ledger).records) == 0 and window_records == []
+
+
+# --------------------------------------------------------------------------- how waits are timed
+
+
+def test_stream_waits_are_filed_under_their_step_once_their_events_have_run():
+    ledger = CommLedger()
+    early, late = FakeInterval(0.25), FakeInterval(0.5)
+    ledger.record("reduce_scatter", "zero2/reduce_scatter/bucket=0", 400, 2)
+    ledger.add_stream_wait("reduce_scatter", early)  # step 0
+    assert len(ledger.pending) == 1 and ledger.timing == "cuda-events"
+    ledger.begin_step(1)
+    ledger.record("all_gather", "zero2/all_gather/params/bucket=0", 400, 2)
+    early.complete = True
+    ledger.add_stream_wait("all_gather", late)  # files the complete one first, without blocking
+    assert list(ledger.pending) == [(1, "all_gather", late)] and not early.blocked
+    assert ledger.wait_seconds(1) == {"all_gather": 0.5}  # a read settles: the host waits for `late`
+    assert late.blocked and not ledger.pending
+    assert ledger.wait_seconds(0) == {"reduce_scatter": 0.25}
+    assert ledger.wait_totals() == {"reduce_scatter": 0.25, "all_gather": 0.5}
+    ledger.add_wait("broadcast", 0.125)  # a host-timed wait beside them
+    assert ledger.timing == "cuda-events + wall-clock"
+    assert ledger.wait_timings() == {"cuda-events": 2, "wall-clock": 1}
+    ledger.clear()
+    assert ledger.timing is None and not ledger.pending and ledger.wait_totals() == {}
+
+
+def test_a_stream_wait_of_a_dropped_step_counts_in_the_run_totals_only():
+    ledger = CommLedger(max_steps=1)
+    ledger.record("all_reduce", "zero0/all_reduce/bucket=0", 400, 2)
+    ledger.add_stream_wait("all_reduce", FakeInterval(0.25))
+    ledger.begin_step(1)
+    ledger.record("all_reduce", "zero0/all_reduce/bucket=0", 400, 2)  # step 0's aggregates dropped
+    ledger.settle()
+    assert ledger.wait_seconds(0) == {} and ledger.wait_seconds(1) == {}
+    assert ledger.wait_totals() == {"all_reduce": 0.25}
+
+
+class FakeComm:
+    """What a Handle asks of its Communicator: a ledger, and a wait that takes 20 ms of the host."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.ledger = CommLedger()
+        self.calls = calls  # the order of events, shared with FakeStreamInterval
+
+    def wait_for(self, work, issued) -> None:
+        self.calls.append("wait")
+        time.sleep(0.02)
+
+
+def test_a_handle_times_cpu_waits_with_the_clock_and_cuda_waits_on_the_stream(monkeypatch):
+    from lightning_zero.comm import Handle, collectives
+
+    calls: list[str] = []
+
+    class FakeStreamInterval(FakeInterval):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(0.004)
+            calls.append(f"start on {device}")
+
+        def close(self) -> FakeStreamInterval:
+            calls.append("end")
+            return self
+
+    monkeypatch.setattr(collectives, "StreamInterval", FakeStreamInterval)
+    cpu = FakeComm(calls)
+    Handle(object(), cpu, "all_reduce", None, torch.device("cpu")).wait()
+    assert cpu.ledger.wait_totals()["all_reduce"] >= 0.02 and cpu.ledger.timing == "wall-clock"
+    assert calls == ["wait"]
+
+    calls.clear()
+    gpu = FakeComm(calls)
+    Handle(object(), gpu, "reduce_scatter", None, torch.device("cuda", 1)).wait()
+    assert calls == ["start on cuda:1", "wait", "end"]  # the events bracket the wait
+    assert len(gpu.ledger.pending) == 1  # not read on the training path
+    assert gpu.ledger.wait_totals() == {"reduce_scatter": 0.004} and gpu.ledger.timing == "cuda-events"
+
+    control = FakeComm(calls)
+    Handle(object(), control, None, None, torch.device("cuda", 0)).wait()  # a control collective
+    assert control.ledger.timing is None and control.ledger.wait_totals() == {}

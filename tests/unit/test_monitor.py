@@ -37,6 +37,7 @@ from lightning_zero.comm.ledger import OpTotals
 from lightning_zero.memory import MemoryReport
 from lightning_zero.planning import step_traffic
 from tests.integration.lit import LitTiny
+from tests.unit.fakes import FakeInterval
 
 PSI = 1000
 
@@ -171,8 +172,21 @@ def test_window_counts_only_what_happened_while_open():
         "zero2/all_gather/params/bucket=0",
     ]
     assert dict(window.waits) == {"reduce_scatter": 0.25}
+    assert window.timed == {"wall-clock": 1}  # the wait inside the window, not the one outside
     assert window.elapsed > 0 and window.step == 5
     assert _Window(step=0, ledger=None).records == []  # a strategy without a ledger
+
+
+def test_window_settles_stream_timed_waits_when_it_closes():
+    ledger = CommLedger()
+    window = _Window(step=0, ledger=ledger)
+    ledger.record("all_reduce", "zero0/all_reduce/bucket=0", 400, 4)
+    interval = FakeInterval(0.125)
+    ledger.add_stream_wait("all_reduce", interval)  # the GPU has not run its end event yet
+    assert ledger.pending
+    window.pause()
+    assert interval.blocked and not ledger.pending  # the window's read waited for it
+    assert dict(window.waits) == {"all_reduce": 0.125} and window.timed == {"cuda-events": 1}
 
 
 def test_ratio():
@@ -193,11 +207,15 @@ def test_step_metrics_names_and_values():
     expected = {f"zero/{op}_{kind}" for op in OPS for kind in ("calls", "bytes", "wire_bytes", "wait_s")}
     expected |= {f"zero/mem_{c}_bytes" for c in ("params", "grads", "optim", "gathered")}
     expected |= {"zero/exposed_comm_s", "zero/step_time_s", "zero/step_time_max_over_min"}
+    expected |= {"zero/exposed_comm_cuda_events"}
     expected |= {"zero/busy_time_max_s", "zero/busy_time_min_s", "zero/busy_time_max_over_min"}
     assert got.keys() == expected
     assert got["zero/reduce_scatter_calls"] == 2 and got["zero/reduce_scatter_bytes"] == 800
     assert got["zero/reduce_scatter_wire_bytes"] == 600 and got["zero/all_gather_calls"] == 0
     assert got["zero/exposed_comm_s"] == 0.05
+    assert got["zero/exposed_comm_cuda_events"] == 0.0  # no timing given: not CUDA events
+    on_gpu = _sample(MemoryReport(0, 0, 0))._replace(timing="cuda-events")
+    assert step_metrics(on_gpu)["zero/exposed_comm_cuda_events"] == 1.0
     assert got["zero/step_time_s"] == 0.25 and got["zero/step_time_max_over_min"] == pytest.approx(1.25)
     assert got["zero/busy_time_max_over_min"] == pytest.approx(2.0)
     assert (got["zero/mem_params_bytes"], got["zero/mem_grads_bytes"], got["zero/mem_optim_bytes"]) == (
@@ -228,7 +246,7 @@ def _summary():
     run = shape(3, n=2, kept=200)
     traffic = {"all_gather": OpTotals(7, 7200, 3600.0), "reduce_scatter": OpTotals(4, 4000, 2000.0)}
     memory = MemoryReport(2000, 2000, 4016)
-    return summary_sections(run, traffic, memory, 800, StepTimes(3, 0.012, 0.002, 1.1))
+    return summary_sections(run, traffic, memory, 800, StepTimes(3, 0.012, 0.002, 1.1, "cuda-events"))
 
 
 def test_summary_sections_put_prediction_next_to_measurement():
@@ -244,11 +262,13 @@ def test_summary_sections_put_prediction_next_to_measurement():
     assert rows["gathered units"] == ("-", "800 B", "-")
     assert any("adam k = 8 (no master copy)" in note for note in memory.notes)
     assert dict(times.rows)["mean step time (slowest rank)"] == "12 ms"
+    assert dict(times.rows)["exposed communication timed with"] == "cuda-events"
 
 
 def test_summary_without_ledger_has_step_times_only():
     sections = summary_sections(None, {}, None, 0, StepTimes(2, 0.01, 0.0, 1.0))
     assert [s.title for s in sections] == ["step times"]
+    assert dict(sections[0].rows)["exposed communication timed with"] == "- (no collective waited)"
 
 
 def test_plain_text_and_rich_printing(capsys):
@@ -288,11 +308,12 @@ def test_single_process_run_logs_step_times_and_warns_once(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ZeroMonitor(log_every_n_steps=2)],
+        callbacks=[monitor := ZeroMonitor(log_every_n_steps=2)],
     )
     with pytest.warns(UserWarning, match="keeps no communication ledger") as record:
         trainer.fit(LitTiny(stack=True))
     assert sum("ZeroMonitor" in str(w.message) for w in record) == 1
+    assert monitor.timing is None  # no collective waited
     with open(tmp_path / "single" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("zero/step_time_s")]
     assert [int(r["step"]) for r in rows] == [0, 2]  # every second optimizer step
