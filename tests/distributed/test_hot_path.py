@@ -97,7 +97,7 @@ def _steps(rank: int, world: int, stage: int, precision: str) -> dict:
     return {"syncs": syncs[1:], "copies": copies[1:]}
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
 def test_no_host_synchronisation_per_step(tmp_path, precision):
     for stage in (0, 1, 2, 3):
         for rank in run_ranks(_steps, 2, tmp_path, stage, precision):

@@ -83,7 +83,7 @@ def _all(
 PSI = sum(p.numel() for p in models.build_stack(0).parameters())
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_model_state_memory_per_rank(tmp_path, world):
     r = run_ranks(_all, world, tmp_path, "bf16-mixed")[0]
     pad = 2 * 4 * world * 12  # padding: < N elements per bucket or unit, at most 4 bytes each, < 12 of them
@@ -165,7 +165,14 @@ def _reference_steps(world: int, steps: int, micro: int, lr: float) -> dict:
     return masters
 
 
-@pytest.mark.parametrize(("micro", "synced"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    ("micro", "synced"),
+    [
+        pytest.param(1, False, marks=pytest.mark.slow),
+        pytest.param(2, False, marks=pytest.mark.slow),
+        (2, True),
+    ],
+)
 def test_fp32_reduce_of_bf16_gradients(tmp_path, micro, synced):
     """reduce_dtype fp32 under bf16 parameters: every stage equals a reference that sums the bf16
     gradients in fp32 (to fp32 rounding), also with two synchronised backward passes before a step
@@ -183,6 +190,7 @@ def test_fp32_reduce_of_bf16_gradients(tmp_path, micro, synced):
     assert max_diff(bf16[0]["state"], reference) > 1e-6
 
 
+@pytest.mark.slow  # the default suite keeps the fp32-reduce parity
 def test_fp32_reduce_memory(tmp_path):
     """fp32 buckets: 4 bytes of gradient per element in stages 0-1 (stage 0's master gradients are
     the bucket slots themselves, no second copy); stages 2-3 unchanged."""

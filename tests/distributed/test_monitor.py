@@ -247,6 +247,7 @@ def check_printed_summary(out: str) -> None:
     assert gather.count("20.2 KiB") == 2 and gather.rstrip(" │").endswith("+0 B")  # wire: predicted, measured
 
 
+@pytest.mark.slow  # the 2-rank monitor test runs by default
 def test_monitor_four_ranks_accumulation_and_clipping(tmp_path):
     # stage 2 reduce-scatters and stage 3 gathers every micro-batch; the clip norm is one small all-reduce
     stages = [0, 1, 2, 3]

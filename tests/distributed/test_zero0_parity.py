@@ -194,6 +194,7 @@ def test_buffers_follow_rank_zero(tmp_path):
     assert [r["zero"]["buffers"]["seen"].item() for r in results] == [2.0, 2.0]
 
 
+@pytest.mark.slow  # 2 ranks run by default
 def test_four_ranks(tmp_path):
     scenario = _scenario("adamw", accumulate=2, micro_batches=5)
     results = run_ranks(_zero_and_ddp, 4, tmp_path, scenario)

@@ -94,6 +94,7 @@ def test_stages_match_zero0(tmp_path, optimizer):
             assert r[stage]["lr"] == r[0]["lr"]  # the scheduler reached the sharded step
 
 
+@pytest.mark.slow  # 2 ranks run by default
 def test_three_ranks_buckets_with_padding(tmp_path):
     # N = 3 divides no bucket here: the last rank's sub-shards stop before the padding
     sc = {"optimizer": "adamw", "accumulate": 2, "micro_batches": 4, "clip": 0.05}
@@ -103,6 +104,7 @@ def test_three_ranks_buckets_with_padding(tmp_path):
             assert state_diff(r[stage]["state"], r[0]["state"]) <= TOL
 
 
+@pytest.mark.slow  # 2 ranks run by default
 def test_accumulation_and_norm_clipping_four_ranks(tmp_path):
     sc = {"optimizer": "adamw", "accumulate": 3, "micro_batches": 7, "clip": 0.05}
     results = run_ranks(_all_stages, 4, tmp_path, (0, 1, 2), sc)
@@ -146,7 +148,7 @@ def _memory(rank: int, world: int, sc: dict) -> dict:
     return {stage: _train(rank, world, stage, sc)["memory"] for stage in (0, 1, 2)}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_memory_per_rank(tmp_path, world):
     sc = {"optimizer": "adam", "accumulate": 1, "micro_batches": 2}
     psi = sum(p.numel() for p in models.build(0).parameters())

@@ -85,7 +85,7 @@ def _stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
     return {stage: _train(rank, world, stage, sc) for stage in stages}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_with_zero0(tmp_path, world):
     sc = {
         "micro_batches": 7,

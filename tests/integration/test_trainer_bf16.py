@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -47,6 +48,7 @@ def _fit(out_dir, *, max_epochs: int, ckpt_path=None, checkpoint: bool = False):
     return torch.load(out_dir / "rank0.pt"), torch.load(out_dir / "dtype0.pt")
 
 
+@pytest.mark.slow  # tests/distributed/test_mixed_precision.py checks fp32 masters in checkpoints by default
 def test_bf16_zero3_checkpoint_is_fp32_and_resume_is_exact(tmp_path):
     full, dtype = _fit(tmp_path / "full", max_epochs=2)
     assert dtype == "torch.bfloat16"

@@ -67,7 +67,7 @@ def test_parity_checkpoint_and_single_process_load(tmp_path, stage):
     assert set(first) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_continues_exactly(tmp_path, stage):
     full = _fit(f"zero{stage}_spawn", tmp_path / "full", max_epochs=3)
     _fit(f"zero{stage}_spawn", tmp_path / "first", max_epochs=1, checkpoint=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -75,6 +76,7 @@ def test_zero3_fit_checkpoint_load_and_evaluate(tmp_path):
     assert "test_loss" in tester.test(model, dataloaders=model.val_dataloader())[0]
 
 
+@pytest.mark.slow  # test_checkpoint_resume.py resumes every stage by default
 def test_zero3_resume_continues_exactly(tmp_path):
     # checkpoints at epoch ends: Lightning resumes mid-epoch checkpoints only approximately, whatever the strategy
     _trainer(3, tmp_path / "full", max_epochs=3, val_every=1.0).fit(LitTiny(groups=True, stack=True))
