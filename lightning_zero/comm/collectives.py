@@ -240,7 +240,7 @@ class Communicator:
         """This rank fails: no collective after this; the process leaves without destroying the group."""
         if self.failure is None:
             self.failure = error
-        if is_distributed():
+        if is_distributed() and dist.get_world_size() > 1:  # alone, no peer can be left waiting
             _FAILED["group"], _FAILED["comm"] = dist.group.WORLD, self
 
     def linger_for_peers(self) -> None:

@@ -84,7 +84,7 @@ def _all_stages(rank: int, world: int, stages: tuple, sc: dict) -> dict:
     return {stage: _train(rank, world, stage, sc) for stage in stages}
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adam", marks=pytest.mark.slow), "adamw"])
 def test_stages_match_zero0(tmp_path, optimizer):
     sc = {"optimizer": optimizer, "accumulate": 1, "micro_batches": 3}
     for r in run_ranks(_all_stages, 2, tmp_path, (0, 1, 2), sc):

@@ -105,7 +105,10 @@ def _ops(result: dict, step: int, op: str) -> list:
     return [r for r in result["ledger"] if r.step == step and r.op == op and "/unit=" in r.name]
 
 
-@pytest.mark.parametrize(("reshard", "gathers"), [(True, lambda L: 2 * L - 1), (False, lambda L: L)])
+@pytest.mark.parametrize(
+    ("reshard", "gathers"),
+    [(True, lambda L: 2 * L - 1), pytest.param(False, lambda L: L, marks=pytest.mark.slow)],
+)
 def test_counted_gathers_and_bytes(tmp_path, reshard, gathers):
     sc = {"micro_batches": 3, "zero3": {"wrap_policy": BLOCK, "reshard_after_forward": reshard}}
     r = run_ranks(_stages, 2, tmp_path, (3,), sc)[0][3]
@@ -131,7 +134,7 @@ def test_whole_model_is_one_unit(tmp_path):
     assert len(_ops(r, 1, "all_gather")) == 1 and len(_ops(r, 1, "reduce_scatter")) == 1
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_memory_between_steps_is_one_nth(tmp_path, world):
     sc = {"micro_batches": 2, "zero3": {"wrap_policy": BLOCK}}
     r = run_ranks(_stages, world, tmp_path, (0, 3), sc)[0]
@@ -190,7 +193,7 @@ def _peak(rank: int, world: int, prefetch: bool) -> dict:
     return {"peak": engine.zero3.meter.peak, "now": engine.zero3.meter.now, "sizes": sizes}
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_peak_gathered_memory_is_bounded(tmp_path, prefetch):
     r = run_ranks(_peak, 2, tmp_path, prefetch)[0]
     block = max(v for k, v in r["sizes"].items() if k != "root")

@@ -107,12 +107,12 @@ def _fit(
 @pytest.mark.parametrize(
     ("stage", "lightning_amp", "reduce_dtype"),
     [
-        (0, False, None),
+        pytest.param(0, False, None, marks=pytest.mark.slow),
         (1, False, None),
-        (2, False, None),
+        pytest.param(2, False, None, marks=pytest.mark.slow),
         (3, False, None),
-        (2, True, None),
-        (1, False, "fp32"),
+        pytest.param(2, True, None, marks=pytest.mark.slow),
+        pytest.param(1, False, "fp32", marks=pytest.mark.slow),
     ],
 )
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, stage, lightning_amp, reduce_dtype):

@@ -40,7 +40,7 @@ def _fit(strategy: str, out_dir, *, max_epochs: int, ckpt_path=None, checkpoint=
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_parity_checkpoint_and_single_process_load(tmp_path, stage):
     zero0 = _fit("zero0_spawn", tmp_path / "zero0", max_epochs=2, checkpoint=True)
     sharded = _fit(f"zero{stage}_spawn", tmp_path / "sharded", max_epochs=2, checkpoint=True)
@@ -67,7 +67,8 @@ def test_parity_checkpoint_and_single_process_load(tmp_path, stage):
     assert set(first) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # test_checkpoint_resume.py resumes every stage by default
+@pytest.mark.parametrize("stage", [1, 2])
 def test_resume_continues_exactly(tmp_path, stage):
     full = _fit(f"zero{stage}_spawn", tmp_path / "full", max_epochs=3)
     _fit(f"zero{stage}_spawn", tmp_path / "first", max_epochs=1, checkpoint=True)

@@ -62,6 +62,7 @@ def test_zero0_matches_lightning_ddp_with_accumulation(tmp_path):
     assert trainer.callback_metrics["val_metric"].item() == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.slow  # manual optimization at every stage: tests/matrix, by default
 def test_manual_optimization_toggle_model(tmp_path):
     _, _, zero_ranks = _fit(ZeroStrategy(start_method="spawn"), tmp_path / "zero", manual=True)
     _, _, ddp_ranks = _fit("ddp_spawn", tmp_path / "ddp", manual=True)
