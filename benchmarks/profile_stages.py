@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None, help="write every strategy's buckets here")
     add_run_arguments(p)
     args, _ = p.parse_known_args(argv)
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--strategies")]
-    passed = _without(passed, ("--strategies", "--steps", "--warmup", "--json"))
+    given = argv if argv is not None else sys.argv[1:]
+    passed = _without(given, ("--strategies", "--steps", "--warmup", "--json"))  # the rest: for the runs
     results = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory(prefix="profile_") as tmp:
