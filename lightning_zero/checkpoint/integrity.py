@@ -120,14 +120,19 @@ def verify_zip_records(path: Path, *, only_pickle: bool) -> None:
             if only_pickle and not info.filename.endswith("data.pkl"):
                 continue
             try:
-                with archive.open(info) as record:
-                    while record.read(READ_BLOCK):
-                        pass
+                _read_through(archive, info)
             except zipfile.BadZipFile as err:
                 raise CheckpointError(
                     f"{path} is damaged: its record {info.filename} does not match its checksum ({err}). The "
                     "file changed after it was written (disk, copy or transfer); load an earlier checkpoint"
                 ) from err
+
+
+def _read_through(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+    """Read one record to its end: zipfile checks its CRC there (BadZipFile on a mismatch)."""
+    with archive.open(info) as record:
+        while record.read(READ_BLOCK):
+            pass
 
 
 def verify_records(path: Path, *, rank: int = 0, world_size: int = 1) -> None:
@@ -139,9 +144,7 @@ def verify_records(path: Path, *, rank: int = 0, world_size: int = 1) -> None:
         ]
         for info in records[rank::world_size]:
             try:
-                with archive.open(info) as record:
-                    while record.read(READ_BLOCK):
-                        pass
+                _read_through(archive, info)
             except zipfile.BadZipFile as err:
                 raise CheckpointError(
                     f"{path} is damaged: tensor {_tensor_of(archive, info.filename)} (record {info.filename}) "

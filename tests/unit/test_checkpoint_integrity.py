@@ -142,3 +142,26 @@ def test_leftovers_of_interrupted_saves_are_removed_by_the_next_save(tmp_path):
     _save_full(tmp_path / "c.ckpt", step=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
     assert C.remove_stale_partials(tmp_path / "missing") == []
+
+
+def test_a_flipped_byte_in_a_record_written_while_gathered_names_its_tensor(tmp_path):
+    """Tensors streamed into a full file are checked by their zip records' CRC32 (split over the
+    ranks: each checks every N-th record); the error names the tensor by its path."""
+    from lightning_zero.checkpoint.integrity import verify_records
+
+    path = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8)}}, path)
+    verify_records(path)  # intact
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.arange(64, dtype=torch.float32).numpy().tobytes()[:16])
+    data[at + 8] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(C.CheckpointError, match=r"tensor state_dict/w \(record .*data/\d+\) does not match"):
+        verify_records(path)
+    checked = []
+    for rank in range(2):  # the two ranks' shares: exactly one of them holds the damaged record
+        try:
+            verify_records(path, rank=rank, world_size=2)
+        except C.CheckpointError:
+            checked.append(rank)
+    assert len(checked) == 1
