@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -97,16 +98,7 @@ def save_full(
 def on_host(obj: Any) -> Any:
     """``obj`` with its device tensors copied to the CPU: a full checkpoint loads onto the CPU
     wherever it was saved (each rank then puts its part on its own device), never onto ``cuda:0``."""
-    if isinstance(obj, Tensor):
-        return obj if obj.device.type == "cpu" else obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        out = obj.copy()  # keeps its type (OrderedDict, defaultdict)
-        for key, value in obj.items():
-            out[key] = on_host(value)
-        return out
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(on_host(v) for v in obj)
-    return obj
+    return apply_to_collection(obj, Tensor, lambda t: t if t.device.type == "cpu" else t.detach().to("cpu"))
 
 
 def _device(engine: Any) -> torch.device:
