@@ -67,7 +67,9 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome) -> list[str]:
     if len(first.losses) != len(ranks[1].losses) or _list_diff(mean, reference.losses) > TOL:
         out.append(f"{name}: losses {mean} differ from the reference's {reference.losses}")
     if first.count != reference.count:
-        out.append(f"{name}: a callback counts {first.count} parameter elements, the reference {reference.count}")
+        out.append(
+            f"{name}: a callback counts {first.count} parameter elements, the reference {reference.count}"
+        )
     if (d := _diff(first.ema, reference.ema)) > TOL:
         out.append(f"{name}: the EMA callback's copy differs from the reference's by {d:.2e}")
     if _list_diff(first.norms, reference.norms) > 1e-4:
@@ -80,7 +82,9 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome) -> list[str]:
     if reference.saved is not None:
         saved = first.saved or {}
         for key in ("state_dict", "export"):
-            if key not in saved or _diff(saved[key], reference.saved[key]) > (TOL if key == "state_dict" else 1e-2):
+            if key not in saved or _diff(saved[key], reference.saved[key]) > (
+                TOL if key == "state_dict" else 1e-2
+            ):
                 out.append(f"{name}: the saved file's {key!r} differs from the reference's")
     return out
 
@@ -88,4 +92,3 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome) -> list[str]:
 def assert_all_like_reference(results: dict[Program, dict]) -> None:
     found = [p for program, outcomes in results.items() for p in problems(program, outcomes)]
     assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
-

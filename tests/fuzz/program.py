@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from tests.matrix.lit import BATCH, DIM, HIDDEN, SEQ, VOCAB, WORLD, Shuffled, Tokens
+from tests.matrix.lit import BATCH, DIM, HIDDEN, VOCAB, WORLD, Shuffled, Tokens
 
 MICRO_BATCHES = 4  # per rank and epoch
 
@@ -247,7 +247,9 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
         saved = _save_after_fit(trainer, root) if program.save_hook else None
         params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     except Exception as err:  # noqa: BLE001  (the test reports it)
-        return Outcome({}, model.losses, 0, {}, [], [], None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        return Outcome(
+            {}, model.losses, 0, {}, [], [], None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        )
     ema = {k: v.float() for k, v in reader.ema.items()}
     return Outcome(params, model.losses, reader.count, ema, reader.norms, model.saved_states, saved, None)
 
