@@ -42,7 +42,7 @@ from lightning_zero.precision import (
     training_precision,
 )
 from lightning_zero.signals import StepBoundary
-from lightning_zero.zero.deferred import is_deferred
+from lightning_zero.zero.deferred import is_deferred, meta_init
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class ZeroStrategy(DDPStrategy):
     @contextmanager
     def _deferred_init(self) -> Generator[None, None, None]:
         self._init_rng = torch.get_rng_state()
-        with torch.device("meta"):
+        with meta_init(self.root_device):  # buffers' values recorded (see [Note: deferred initialisation])
             yield
 
     @property

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch.serialization import _open_zipfile_writer
+from torch.utils._pytree import tree_map_only
 
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.flat_param import FlatParameter
@@ -39,16 +40,33 @@ class Source(NamedTuple):
     state: tuple[int, str] | None  # None: the parameter's value; (optimizer index, state name)
 
 
-class Streamed:
-    """Stands in a full checkpoint for a tensor that lives in shards (see [Note: streamed full
-    checkpoints]); only :func:`write` can save it."""
+class Streamed(Tensor):
+    """A tensor of a full checkpoint that lives in shards (see [Note: streamed full checkpoints]):
+    shape and dtype, no data. Saving writes it while it is gathered. Used as a tensor (an
+    ``on_save_checkpoint`` hook that casts ``checkpoint["state_dict"]`` to half, ``.clone()``,
+    ``.detach()``), it gathers its values first through ``resolve``: a collective, so every rank
+    runs the code that uses it, as every rank runs Lightning's checkpoint hooks."""
 
-    __slots__ = ("source", "shape", "dtype")
+    source: Source
+    resolve: Callable[[Source], Tensor] | None
 
-    def __init__(self, source: Source, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.source = source
-        self.shape = torch.Size(shape)
-        self.dtype = dtype
+    @staticmethod
+    def __new__(
+        cls,
+        source: Source,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        resolve: Callable[[Source], Tensor] | None = None,
+    ) -> Streamed:
+        out = Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device="cpu")
+        out.source = source
+        out.resolve = resolve
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = tree_map_only(Streamed, _value, (args, kwargs or {}))
+        return func(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         stride = _contiguous_stride(self.shape)
@@ -61,8 +79,44 @@ class Streamed:
             collections.OrderedDict(),
         )
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"Streamed({tuple(self.shape)}, {self.dtype}, {self.source})"
+
+
+def _value(streamed: Streamed) -> Tensor:
+    if streamed.resolve is None:
+        raise RuntimeError(
+            f"{streamed!r} stands in a checkpoint for a tensor that lives in shards and has no way to gather it "
+            "here; read full values with strategy.full_state_dict()"
+        )
+    return streamed.resolve(streamed.source)
+
+
+class Resolver:
+    """Gathers the values :class:`Streamed` tensors stand in for when user code computes with them;
+    the last flat space gathered is kept, so a walk over a state dict gathers each space once.
+
+    Args:
+        gather: (space, what) -> the padded flat values (1D) of one space and kind of state, on
+            every rank.
+        spaces: the flat spaces the sources index.
+    """
+
+    def __init__(
+        self, gather: Callable[[int, tuple[int, str] | None], Tensor], spaces: list[FlatParameter]
+    ) -> None:
+        self.gather = gather
+        self.spaces = spaces
+        self._kept: tuple[tuple[int, Any], Tensor] | None = None  # ((space, what), its padded flat values)
+
+    def __call__(self, source: Source) -> Tensor:
+        key = (source.space, source.state)
+        if self._kept is None or self._kept[0] != key:
+            self._kept = None  # freed before the next gather
+            self._kept = (key, self.gather(source.space, source.state))
+        space = self.spaces[source.space]
+        start, shape = space.offsets[source.position], space.shapes[source.position]
+        return self._kept[1][start : start + shape.numel()].view(shape).to("cpu", copy=True)
 
 
 class _Record:

@@ -26,8 +26,8 @@ from lightning_zero.checkpoint.format import CheckpointError, _hyper
 from lightning_zero.checkpoint.integrity import add_full_checksums
 from lightning_zero.checkpoint.layout import _check_keys, _check_shape, _names, _slots
 from lightning_zero.comm import Communicator
+from lightning_zero.streamed import Resolver, Streamed, contains_streamed, plan
 from lightning_zero.streamed import Source as StreamSource
-from lightning_zero.streamed import Streamed, contains_streamed, plan
 from lightning_zero.streamed import write as write_streamed
 from lightning_zero.zero.flat_param import full_optimizer_state, original_indices
 
@@ -115,14 +115,23 @@ def streamed_model_state(module: nn.Module, engine: Any) -> dict[str, Any]:
     """The full form's model state with stand-ins for the parameters that live in shards: the
     values the optimizer holds (fp32 masters under a policy), written as they are gathered."""
     stand_ins: dict[int, Any] = {}
+    resolve = resolver(engine)
     for s, space in enumerate(engine.param_spaces()):
         for i, (p, shape) in enumerate(zip(space.params, space.shapes)):
-            stand_ins[id(p)] = Streamed(StreamSource(s, i, None), shape, space.shard.dtype)
+            stand_ins[id(p)] = Streamed(StreamSource(s, i, None), shape, space.shard.dtype, resolve)
     state = module.state_dict(keep_vars=True)
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in stand_ins:
             state[name] = stand_ins[id(p)]
-    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return {
+        k: v.detach() if isinstance(v, Tensor) and not isinstance(v, Streamed) else v
+        for k, v in state.items()
+    }
+
+
+def resolver(engine: Any) -> Resolver:
+    """What a :class:`Streamed` of ``engine``'s spaces gathers its values with (every rank)."""
+    return Resolver(functools.partial(_all_gather_space, engine), engine.param_spaces())
 
 
 def streamed_optimizer_state(engine: Any, optimizer: Optimizer, index: int) -> dict[str, Any]:
@@ -130,13 +139,15 @@ def streamed_optimizer_state(engine: Any, optimizer: Optimizer, index: int) -> d
     gathered while the file is written; step counts and other scalars as they are."""
     groups = engine.group_params(optimizer, index)
     ids = original_indices(groups)
+    resolve = resolver(engine)
     state: dict[int, dict[str, Any]] = {}
     for s, space in enumerate(engine.param_spaces()):
         for i, sub in space.optimizer_subs(index).items():
             entry = state.setdefault(ids[id(space.params[i])], {})
             for sname, value in optimizer.state.get(sub, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and sname != "step":
-                    entry[sname] = Streamed(StreamSource(s, i, (index, sname)), space.shapes[i], value.dtype)
+                    source = StreamSource(s, i, (index, sname))
+                    entry[sname] = Streamed(source, space.shapes[i], value.dtype, resolve)
                 else:
                     entry[sname] = value.to("cpu", copy=True) if isinstance(value, Tensor) else value
     param_groups = [
@@ -148,6 +159,26 @@ def streamed_optimizer_state(engine: Any, optimizer: Optimizer, index: int) -> d
 def _gather_space(engine: Any, comm: Communicator, space: int, what: tuple[int, str] | None) -> Tensor | None:
     """The full padded values of one flat space (its parameters, or one per-element state of one
     optimizer), on rank 0 only; every rank calls it."""
+    chunk = _own_values(engine, space, what)
+    full = (
+        torch.empty(engine.param_spaces()[space].padded_numel, dtype=chunk.dtype, device=chunk.device)
+        if comm.rank == 0
+        else None
+    )
+    comm.gather(full, chunk, dst=0, name=f"{engine.label}/gather/checkpoint")
+    return full
+
+
+def _all_gather_space(engine: Any, space: int, what: tuple[int, str] | None) -> Tensor:
+    """As :func:`_gather_space`, on every rank (a :class:`Streamed` used as a tensor)."""
+    chunk = _own_values(engine, space, what)
+    full = torch.empty(engine.param_spaces()[space].padded_numel, dtype=chunk.dtype, device=chunk.device)
+    engine.comm.all_gather(full, chunk, name=f"{engine.label}/all_gather/checkpoint_tensor", async_op=False)
+    return full
+
+
+def _own_values(engine: Any, space: int, what: tuple[int, str] | None) -> Tensor:
+    """This rank's chunk (1D, shard_numel) of one space's parameters or per-element state."""
     flat = engine.param_spaces()[space]
     if what is None:
         chunk = flat.shard.detach()
@@ -160,9 +191,7 @@ def _gather_space(engine: Any, comm: Communicator, space: int, what: tuple[int, 
         for i, value in values.items():
             if value is not None:
                 chunk[flat.slices[i].start : flat.slices[i].stop].copy_(value)
-    full = torch.empty(flat.padded_numel, dtype=chunk.dtype, device=chunk.device) if comm.rank == 0 else None
-    comm.gather(full, chunk, dst=0, name=f"{engine.label}/gather/checkpoint")
-    return full
+    return chunk
 
 
 def _materialize(checkpoint: Any, engine: Any, comm: Communicator, gather: Any, items: list) -> Any:

@@ -77,7 +77,7 @@ def add_full_checksums(checkpoint: dict[str, Any]) -> None:
     written while they are gathered are listed by path, checked by their zip records."""
     checkpoint[INTEGRITY_KEY] = {
         "algorithm": ALGORITHM,
-        "tensors": {path: tensor_crc(t) for path, t in tensors_in(checkpoint)},
+        "tensors": {path: tensor_crc(t) for path, t in tensors_in(checkpoint) if not isinstance(t, Streamed)},
         "records": [path for path, _ in tensors_in(checkpoint, leaf=Streamed)],
     }
 

@@ -16,6 +16,21 @@ reduced is reduced (missing gradients as zeros), all ReduceScatters are waited a
 shard gradients (see [Note: gradient window]), every gather still in flight is waited, every unit
 but the kept root is freed and all return to IDLE: nothing is in flight across an optimizer step.
 
+[Note: calls recomputed in backward]
+Reentrant activation checkpointing runs a unit's forward without gradients and again, with them,
+inside backward, once per call, each in a nested backward of its own. A unit whose forward ran
+without gradients counts those calls (``deferred_calls``); each recomputation passes its inputs
+through ``_PostBackward``, and the unit's backward is over only when every such call's backward
+reached its inputs: a unit called twice, or one whose frozen weights compute its input's
+gradient after its trainable gradients arrived, is not freed or reduced early.
+
+[Note: the root's gradients]
+The root unit's gradients are reduced at the end of the outermost backward, never before: its
+parameters may get gradients from several graph tasks (a root parameter captured by reentrant
+activation checkpointing accumulates once per checkpointed segment), and the root is reduced last
+in any case. Another unit's parameter that accumulates a second time is fine until the unit's
+gradients went out; after that it is an error that names the parameter.
+
 Activation checkpointing runs a unit's forward again inside backward. The hooks see it (they run
 inside an autograd graph task) and then neither prefetch in forward order (the next unit in that
 order already had its backward) nor free a unit whose backward is running; a unit recomputed
@@ -23,14 +38,24 @@ ahead of its own backward (a checkpoint spanning several units, or a reentrant o
 in forward and gathered again when its backward begins.
 
 [Note: parameters outside forward]
-Outside its gathers a unit's parameters hold empty placeholders, and any computation with one
-raises an error that names it (see [Note: sharded parameters] in unit.py) instead of computing
-with the placeholder; what a parameter is (shape of the placeholder, dtype, device, requires_grad)
-can still be read. Code that needs whole parameters outside their unit's forward (a penalty over
-all parameters, a weight norm) runs inside :meth:`ZeroThree.gathered` (every rank at once); with
-gradients enabled inside a step the units then stay gathered until the end of the next backward,
-so the penalty's gradients reach them. The root unit (parameters outside every other unit) is
-gathered for the whole step and its backward.
+Outside its gathers a unit's parameters are at rest (see [Note: parameters at rest] in unit.py):
+what a parameter is can be read as for the whole parameter, and using it gathers its unit first.
+Inside a step with gradients enabled (a penalty over ``self.parameters()`` in ``training_step``)
+the touched units are gathered as in forward and stay gathered until the end of the next
+backward, so the penalty's gradients reach them; :meth:`ZeroThree.gathered` does the same for
+every unit at once.
+
+[Note: gathered at rest]
+Elsewhere (a callback keeping an EMA, a weight norm, an export hook) a touched unit is gathered
+into a buffer of its own and kept until a unit outside the same operation is touched, or until
+the next step, optimizer step, checkpoint or ``gathered()`` (``settle``): a loop over
+``named_parameters()`` costs about one AllGather per unit, and no more than the units of one
+operation are held at once. Freeing drops the buffer instead of resizing it, so a ``p.detach()``
+the user kept stays readable (with the values of that moment, as a copy would have). A unit that
+user code touched compares this rank's chunk with its shard when it is freed and takes back what
+was changed in place (``p.mul_``, ``p.data.copy_(ema)``): the shard and the fp32 master then hold
+the new values. Touching is a collective: every rank runs the code that reads parameters, as for
+FSDP2's reductions.
 
 Every rank runs the same units in the same order, so the collectives match (see [Note: same
 collectives everywhere] in grad_sync/reducer.py).
@@ -45,7 +70,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.grad_sync.backward import EndOfBackward
@@ -140,6 +165,11 @@ class ZeroThree:
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._unit_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._handles = self._register_hooks(root)  # forward hooks on modules: gather on use
+        self._at_rest: list[
+            ShardedUnit
+        ] = []  # gathered because user code touched them (see [Note: gathered at rest])
+        for unit in self.units:
+            unit.on_touch = self.touch
         self._grad_handles = [  # on the parameters: the backward schedule
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for u in self.units for p in u.params
         ]
@@ -173,7 +203,9 @@ class ZeroThree:
         handles = []
         for unit in self.units:
             if unit is not self.root_unit:
-                handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+                handles.append(
+                    unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
+                )
                 handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
@@ -191,6 +223,8 @@ class ZeroThree:
         self._grad_handles = []
         if keep_forward:
             return
+        for unit in self.units:
+            unit.on_touch = None
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -203,6 +237,10 @@ class ZeroThree:
 
     def prepare_forward(self) -> None:
         """The root's forward starts (a step: training, evaluation, or any call through the wrapper)."""
+        self._recover()
+        self.settle()
+        for unit in self.units:
+            unit.deferred_calls = 0
         self._in_step = True
         if self.root_unit is not None and self._recording and torch.is_grad_enabled():
             self.forward_order = [self.root_unit]
@@ -213,6 +251,7 @@ class ZeroThree:
         self._in_step = False
         if self._recording and torch.is_grad_enabled() and self.forward_order:
             self._recording = False
+            self._agree_forward_order()
         if self.root_unit is not None and _grad_tensors(output):
             self._register_pre_backward(self.root_unit, output)
             return
@@ -220,23 +259,48 @@ class ZeroThree:
             if unit.pinned or unit is self.root_unit:
                 unit.reshard(force=True)
 
+    def _agree_forward_order(self) -> None:
+        """The first training forward's unit order decides prefetch and the ReduceScatter order:
+        every rank must have seen the same one (one object all-gather, once)."""
+        mine = [self.units.index(u) for u in self.forward_order]
+        orders = self.comm.all_gather_object(mine, name=f"{self.label}/agree/unit_order")
+        for rank, order in enumerate(orders):
+            if order != orders[0]:
+                theirs, first = ([self.units[i].name for i in o] for o in (order, orders[0]))
+                raise RuntimeError(
+                    f"stage 3: the first training forward ran the wrap units in another order on rank {rank} "
+                    f"({', '.join(theirs)}) than on rank 0 ({', '.join(first)}). Prefetch and the order of the "
+                    "ReduceScatters follow that order and must be the same on every rank: make the first "
+                    "training step take the same path through the model on every rank."
+                )
+
     def abort_forward(self) -> None:
         """The step raised: leave the step, run nothing collective (peers may be gone)."""
         self._in_step = False
 
     def _pre_forward_hook(self, unit: ShardedUnit):
         @torch.compiler.disable  # collectives and storage changes run eagerly, also in a compiled module
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict) -> Any:
             if _in_backward():  # recomputed by activation checkpointing: no forward-order prefetch
                 unit.gather()
-                return
+                if (
+                    unit.deferred_calls and torch.is_grad_enabled()
+                ):  # see [Note: calls recomputed in backward]
+                    unit.deferred_calls -= 1
+                    wrapped = _PostBackward.wrap(args, kwargs, lambda: self._inputs_done(unit))
+                    unit.inputs_pending += wrapped is not None
+                    return wrapped
+                return None
+            self._recover()
+            if not torch.is_grad_enabled():
+                unit.deferred_calls += 1
             unit.state = FORWARD
             unit.gather()
             if self._recording and torch.is_grad_enabled() and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._prefetch(unit, self.forward_order)
             if unit.has_frozen and torch.is_grad_enabled():  # its gradient hooks cannot tell its end
-                wrapped = _PostBackward.wrap(args, lambda: self._inputs_done(unit))
+                wrapped = _PostBackward.wrap(args, kwargs, lambda: self._inputs_done(unit))
                 unit.inputs_pending += wrapped is not None
                 return wrapped
             return None
@@ -298,6 +362,15 @@ class ZeroThree:
     def _on_grad_ready(self, param: Tensor) -> None:
         unit, position = self._unit_of[id(param)]
         self._end.note()
+        if unit.used[position]:  # accumulated again (reentrant checkpointing, a second graph task)
+            if unit.state is POST_BACKWARD:
+                raise RuntimeError(
+                    f"stage 3: parameter {unit.names[position]!r} got another gradient after the gradients of its "
+                    f"unit {unit.name!r} went out in this backward. A parameter used inside several reentrant "
+                    "activation-checkpointed segments belongs in the unit that contains all of them (the root, "
+                    "by leaving its module out of the wrap policy), or use use_reentrant=False."
+                )
+            return
         unit.note_grad(position)
         if unit.done:
             self._unit_backward_done(unit)
@@ -310,6 +383,8 @@ class ZeroThree:
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: ShardedUnit) -> None:
+        if unit is self.root_unit:  # reduced at the end: see [Note: the root's gradients]
+            return
         unit.state = POST_BACKWARD
         if self.sync_enabled:
             self._reduce_ready_units()
@@ -337,6 +412,24 @@ class ZeroThree:
             self._reducing.popleft().finish_reduce()
         unit.reduce_scatter()
         self._reducing.append(unit)
+
+    def _recover(self) -> None:
+        """A forward starts while the last backward never reached its end: it raised (and the user
+        caught the error). Finish what it left in flight (every rank raised at the same point, so
+        the collectives match), drop its gradients (as ``zero_grad`` would), and start afresh."""
+        if _in_backward() or not self._end.raised(idle=True):  # see [Note: a backward that raised]
+            return
+        while self._reducing:
+            unit = self._reducing.popleft()
+            unit.reduce_handle.wait()
+            unit.drop_reduce()
+        self._next_reduce = 0
+        for unit in self.units:
+            unit.finish_gather()
+            unit.drop_grad_buffer()
+            if unit is not self.root_unit or not self._in_step:
+                unit.reshard(force=True)
+            unit.end_backward()
 
     def _finalize(self) -> None:
         """End of the outermost backward (see [Note: the schedule])."""
@@ -392,15 +485,43 @@ class ZeroThree:
 
     # -- whole-model views ---------------------------------------------------------------------
 
+    # -- parameters used at rest ---------------------------------------------------------------
+
+    def touch(self, units: list[ShardedUnit]) -> None:
+        """User code uses parameters of ``units`` at rest (see [Note: parameters outside forward]
+        and [Note: gathered at rest])."""
+        if self._in_step and torch.is_grad_enabled():
+            for unit in units:
+                unit.gather()
+                unit.pinned = True
+                unit.mark_touched()
+            return
+        self.settle(keep=units)
+        for unit in units:
+            if unit.gathered or unit.gather_handle is not None:  # in use by the step: its life is the step's
+                unit.finish_gather()
+                unit.mark_touched()
+                continue
+            unit.gather_at_rest()
+            self._at_rest.append(unit)
+
+    def settle(self, keep: list[ShardedUnit] = ()) -> None:
+        """Free the units gathered at rest (but ``keep``), taking back in-place changes."""
+        for unit in [u for u in self._at_rest if u not in keep]:
+            self._at_rest.remove(unit)
+            unit.reshard(force=True)
+
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
         """Every unit's full parameters inside (see [Note: parameters outside forward]); every rank
         must enter it together. Inside a step with gradients enabled the units stay gathered until
         the end of the next backward; otherwise they are freed on leaving."""
+        self.settle()
         for unit in self.units:
             unit.gather(wait=False)
         for unit in self.units:
             unit.finish_gather()
+            unit.mark_touched()  # what is loaded or changed inside is taken back
         try:
             yield
         finally:
@@ -412,14 +533,24 @@ class ZeroThree:
                     self._release(unit)
 
     def param_spaces(self) -> list:
-        """Every flat space holding parameter values: trainable and frozen."""
+        """Every flat space holding parameter values: trainable and frozen (in-place changes made
+        at rest taken back first, so that what reads the shards reads them)."""
+        self.settle()
         return [f.flat for u in self.units for f in u.flats]
 
     def after_step(self) -> None:
+        """The optimizer stepped the shards: what is gathered now holds the old values (the root kept
+        for a manual step, units touched at rest), so it is freed and gathered again on next use."""
+        self.settle()
         for unit in self.units:
+            if unit.gathered or unit.gather_handle is not None:
+                unit.reshard(force=True)
             unit.after_step()
 
     def release(self, *, wait: bool = True) -> None:
+        if wait:
+            self.settle()
+        self._at_rest = []
         for unit in self.units:
             unit.release(wait=wait)
 
@@ -450,15 +581,16 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
     @classmethod
-    def wrap(cls, args: tuple, done: Any) -> tuple | None:
-        """``args`` with every tensor that requires grad passed through; None if there is none."""
-        positions = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+    def wrap(cls, args: tuple, kwargs: dict, done: Any) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` with every tensor that requires grad passed through, positional and
+        keyword alike (``layer(hidden_states=h)``); None if there is none."""
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, Tensor) and a.requires_grad]
         if not positions:
             return None
-        out = list(args)
-        for i, t in zip(positions, cls.apply(done, *(args[i] for i in positions))):
-            out[i] = t
-        return tuple(out)
+        for i, t in zip(positions, cls.apply(done, *(leaves[i] for i in positions))):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
 
 
 def _grad_tensors(output: Any) -> list[Tensor]:
@@ -469,24 +601,23 @@ def _grad_tensors(output: Any) -> list[Tensor]:
 
 def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> dict[str, list]:
     """unit name -> (name, parameter) of the parameters it owns, trainable and frozen: the innermost
-    unit whose subtree holds the parameter; a tied parameter must lie in one unit."""
+    unit whose subtree holds every use of the parameter (a parameter tied across units, such as
+    two blocks sharing a weight, belongs to the unit that contains both: often the root, which is
+    gathered for the whole step)."""
     unit_names = [n for n, _ in unit_modules]
-    owner_of_param: dict[int, str] = {}
-    first_name: dict[int, str] = {}
-    ownership: dict[str, list] = {}
+    names: dict[int, list[str]] = {}  # id(param) -> every name it has
+    params: dict[int, nn.Parameter] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
-        unit = max((u for u in unit_names if u == "" or name.startswith(u + ".")), key=len)
-        if id(p) in owner_of_param and owner_of_param[id(p)] != unit:
-            raise ValueError(
-                f"parameter {first_name[id(p)]!r} is shared with {name!r} across wrap units "
-                f"{owner_of_param[id(p)] or 'root'!r} and {unit or 'root'!r}; a tied parameter must live in one "
-                "unit. Change the wrap policy so that both modules are in the same unit (e.g. leave them "
-                "unwrapped, in the root unit)."
-            )
-        if id(p) not in owner_of_param:
-            owner_of_param[id(p)] = unit
-            first_name[id(p)] = name
-            ownership.setdefault(unit, []).append((name, p))
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    ownership: dict[str, list] = {}
+    for pid, all_names in names.items():
+        unit = max(
+            (u for u in unit_names if u == "" or all(n.startswith(u + ".") for n in all_names)),
+            key=len,
+            default="",
+        )
+        ownership.setdefault(unit, []).append((all_names[0], params[pid]))
     return ownership
 
 

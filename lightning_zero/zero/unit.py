@@ -27,6 +27,7 @@ went out, even when activation checkpointing runs its forward again in the middl
 from __future__ import annotations
 
 import functools
+import weakref
 from enum import Enum
 from typing import Any
 
@@ -39,22 +40,26 @@ from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.flat_param import FlatParameter
 
-# [Note: sharded parameters]
-# While its unit is sharded a parameter's class is a subclass of its own whose __torch_function__
-# lets through only what describes the tensor (shape, dtype, device, requires_grad, .grad, .data,
-# numel, storage; moving it to a device gives another placeholder) and raises, naming the
-# parameter, for anything that would compute with it: a
-# penalty over self.parameters() or a weight norm outside the unit's forward fails at once instead of
-# summing empty placeholders. Gathering gives the parameter its own class back, so forward and
-# backward run on plain parameters at no cost.
+# [Note: parameters at rest]
+# While its unit is sharded a parameter is "at rest": its class is a subclass of its own, and its
+# ``.data`` a tensor of the parameter's full shape, dtype and device whose storage holds no bytes.
+# What describes the tensor (shape, numel, dtype, device, requires_grad, .grad, hooks) answers as
+# for the whole parameter, so ModelSummary and code counting parameters see the model as it is. Any
+# other use (``p.detach()``, ``p.norm()``, ``p.clone()``, ``p.data``, ``p.mul_(...)``, a penalty over
+# ``self.parameters()``) first gathers the parameter's unit (an AllGather on every rank: code that
+# reads parameters at rest runs on every rank, as it does for FSDP2's reductions and for
+# ``gathered()``) and then runs on the whole parameter, so it gives the values plain training
+# gives. The unit stays gathered for a while so that a loop over the parameters costs one gather
+# per unit (see [Note: gathered at rest] in sharded_module.py). Gathering gives the parameter its
+# own class back, so forward and backward run on plain parameters at no cost.
 _PROPERTIES = (  # what a tensor is, not what it holds
-    "shape", "dtype", "device", "requires_grad", "grad", "data", "is_leaf", "layout", "ndim", "grad_fn",
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "layout", "ndim", "grad_fn",
     "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes", "_version",
 )  # fmt: skip
 _METHODS = (
     "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "untyped_storage",
     "data_ptr", "is_contiguous", "requires_grad_", "__repr__", "__hash__", "__format__",
-    "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__",
+    "register_hook", "register_post_accumulate_grad_hook", "get_device",
 )  # fmt: skip
 _DESCRIBE = {
     getattr(getattr(torch.Tensor, name), accessor)
@@ -63,33 +68,57 @@ _DESCRIBE = {
     for accessor in ("__get__", "__set__")
     if hasattr(getattr(torch.Tensor, name), accessor)
 } | {getattr(torch.Tensor, name) for name in _METHODS}
+_DESCRIBE.add(torch.Tensor.data.__set__)  # the unit points the parameter at its gathered view
 _DESCRIBE.add(torch._has_compatible_shallow_copy_type)  # asked by Module._apply before it sets .data
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}  # Module.to / .cpu() on a sharded module
 
 
 class _Sharded:
-    """Mixed into a parameter's class while it is sharded (see [Note: sharded parameters])."""
+    """Mixed into a parameter's class while it is at rest (see [Note: parameters at rest])."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if func in _DESCRIBE or torch.compiler.is_compiling():
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func in _MOVES:  # the moved placeholder is still one: computing with it still fails
+                return func(*args, **kwargs)
+        if func in _MOVES and isinstance(args[0], _Sharded):
             with torch._C.DisableTorchFunctionSubclass():
-                moved = func(*args, **(kwargs or {}))
-            out = moved.as_subclass(_sharded_class(torch.Tensor))
-            out._zero_name = getattr(args[0], "_zero_name", "?")
-            return out
-        used = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, _Sharded))
-        raise RuntimeError(
-            f"stage 3: parameter {getattr(used, '_zero_name', '?')!r} is sharded here (this rank holds a 1/N "
-            f"slice of it; its wrap unit is gathered only for its own forward and backward), so "
-            f"{getattr(func, '__name__', func)} cannot compute with it. Read or use parameters outside their "
-            "unit's forward (a penalty over self.parameters(), a weight norm) inside `with "
-            "trainer.strategy.gathered():` on every rank (a penalty's gradients then reach them), or leave that "
-            "module out of the wrap policy so that it belongs to the root unit, gathered for the whole step."
-        )
+                moved = func(torch.empty(0, dtype=args[0].dtype, device=args[0].device), *args[1:], **kwargs)
+            if moved.dtype == args[0].dtype:  # where it lives, not what it holds (Module.to, .cpu())
+                if moved.device == args[0].device:
+                    return args[0]
+                return rest_tensor(args[0].shape, moved.dtype, moved.device).as_subclass(
+                    _sharded_class(Tensor)
+                )
+        used = [t for t in tree_leaves((args, kwargs)) if isinstance(t, _Sharded)]
+        owners: dict[int, tuple[Any, list]] = {}
+        for unit in {id(u): u for u in map(_unit_of, used) if u is not None}.values():
+            if unit.on_touch is not None:
+                owners.setdefault(id(unit.on_touch.__self__), (unit.on_touch, []))[1].append(unit)
+        for touch, units in owners.values():
+            touch(units)
+        still = [t for t in used if isinstance(t, _Sharded)]
+        if still:
+            raise RuntimeError(
+                f"stage 3: {getattr(still[0], '_zero_name', 'a parameter moved while sharded')!r} holds no values "
+                f"here, so {getattr(func, '__name__', func)} cannot compute with it: its unit cannot be gathered "
+                "now (training ended after a failure), or it is the empty stand-in a sharded parameter gives when "
+                "moved to another device (use p.detach().to(device), which gathers first)."
+            )
+        return func(*args, **kwargs)
+
+
+def _unit_of(p: Tensor) -> Any:
+    unit = getattr(p, "_zero_unit", None)
+    return unit() if unit is not None else None
+
+
+def rest_tensor(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` whose storage holds no bytes: a parameter's ``.data`` at rest."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 @functools.cache
@@ -105,6 +134,11 @@ def _mark_sharded(p: nn.Parameter) -> None:
 def _mark_whole(p: nn.Parameter) -> None:
     if isinstance(p, _Sharded):
         p.__class__ = type(p)._zero_base
+
+
+def is_at_rest(p: Tensor) -> bool:
+    """The parameter is sharded now: its values live in its unit's shards."""
+    return isinstance(p, _Sharded)
 
 
 class TrainingState(Enum):
@@ -165,9 +199,13 @@ class UnitFlat:
             self.full[o : o + s.numel()].view(s) for o, s in zip(self.flat.offsets, self.flat.shapes)
         ]
         self.full.untyped_storage().resize_(0)  # 1D, padded_numel: storage allocated only while gathered
-        self.placeholder = torch.empty(0, dtype=self.full.dtype, device=device)  # .data while sharded
+        self.rests = [  # each parameter's .data at rest: its shape, no bytes (see [Note: parameters at rest])
+            rest_tensor(shape, self.full.dtype, device) for shape in self.flat.shapes
+        ]
         self.gather_handle: Handle | None = None  # in-flight AllGather
-        self.gathered = False  # params point into a complete `full`
+        self.gathered = False  # params point into a complete `full` (or `rest_buffer`)
+        self.rest_buffer: Tensor | None = None  # 1D, padded_numel: values gathered at rest, else None
+        self.touched = False  # user code used the parameters while gathered: take back in-place changes
 
     @property
     def nbytes(self) -> int:
@@ -193,21 +231,60 @@ class UnitFlat:
                 p.data = view
             self.gathered = True
 
+    def gather_at_rest(self, label: str, comm: Communicator) -> int:
+        """Gather into a buffer of its own, not ``full`` (see [Note: gathered at rest] in
+        sharded_module.py): what the parameters' users keep of it stays readable after the unit is
+        freed again. The bytes allocated (0 if gathered already)."""
+        if self.gathered or self.gather_handle is not None:
+            self.finish_gather()
+            return 0
+        buffer = torch.empty_like(self.full, memory_format=torch.contiguous_format)
+        buffer.untyped_storage().resize_(self.nbytes)
+        comm.all_gather(buffer, self.param_shard, name=f"{label}/all_gather/at_rest/unit={self.name}").wait()
+        self.rest_buffer = buffer
+        for p, offset, shape in zip(self.flat.params, self.flat.offsets, self.flat.shapes):
+            _mark_whole(p)
+            p.data = buffer[offset : offset + shape.numel()].view(shape)
+        self.gathered = True
+        return self.nbytes
+
     def free(self) -> int:
-        """Point the parameters at the placeholder, release ``full``; the bytes released."""
+        """Point the parameters at their rest tensors, release the gathered values (taking back
+        what the user changed in place, when the unit was touched); the bytes released."""
         self.finish_gather()
-        for p in self.flat.params:
-            p.data = self.placeholder
+        values = self.rest_buffer if self.rest_buffer is not None else self.full
+        if self.touched and self.gathered:
+            self._take_back(values)
+        self.touched = False
+        for p, rest in zip(self.flat.params, self.rests):
+            p.data = rest
             _mark_sharded(p)
+        if self.rest_buffer is not None:  # dropped, not resized: views the user kept stay readable
+            self.rest_buffer, self.gathered = None, False
+            return self.nbytes
         return self._release_storage()
 
+    def _take_back(self, values: Tensor) -> None:
+        """The parameters were changed in place while gathered (``p.mul_``, ``p.data.copy_``): this
+        rank's chunk of them becomes the shard (and the fp32 master) the next gather reads."""
+        own = self.flat.own_chunk(values)
+        if torch.equal(own, self.param_shard):
+            return
+        with torch.no_grad():
+            self.param_shard.copy_(own)
+            if self.flat.shard is not None and self.flat.shard is not self.param_shard:
+                self.flat.shard.copy_(own)
+
     def release(self, *, wait: bool) -> int:
-        """Teardown: the parameters hold values of their own (or keep their placeholders after a
-        failure, when nothing is waited); release ``full``."""
+        """Teardown: the parameters hold values of their own; after a failure, when nothing is
+        waited, empty tensors (computing with one fails on its shape, never on freed memory)."""
         if self.gather_handle is not None and wait:
             self.gather_handle.wait()
         self.gather_handle = None
+        self.rest_buffer = None
         for p in self.flat.params:
+            if is_at_rest(p) and p.untyped_storage().nbytes() == 0:  # no values came
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             _mark_whole(p)
         return self._release_storage()
 
@@ -256,8 +333,10 @@ class ShardedUnit:
         self.module = module  # the wrapped module
         self.comm = comm
         self.label = label
+        self.on_touch: Any = None  # ZeroThree.touch: gathers units whose parameters are used at rest
         for n, p in params:
-            p._zero_name = n  # named in the error for computing with it while sharded
+            p._zero_name = n  # named in errors
+            p._zero_unit = weakref.ref(self)  # who gathers it when it is used at rest
         device = device if device is not None else params[0][1].device
         trainable = [(n, p) for n, p in params if p.requires_grad]
         _check_uniform(self.name, trainable)
@@ -278,6 +357,9 @@ class ShardedUnit:
         self.pending = len(self.params)  # trainable parameters whose gradient is not yet accumulated
         self.used = [False] * len(self.params)  # got a gradient in this backward (this rank)
         self.inputs_pending = 0  # calls whose inputs' gradients are still to come (units with frozen weights)
+        self.deferred_calls = (
+            0  # calls run without gradients, to be recomputed in backward (reentrant checkpointing)
+        )
         self.grad_buffer: Tensor | None = None  # 1D, padded_numel: where its gradients accumulate in backward
         self.grad_copies = 0  # gradients copied into a buffer (not accumulated there by autograd)
         self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
@@ -329,6 +411,15 @@ class ShardedUnit:
 
     # -- gather and free -----------------------------------------------------------------------
 
+    def gather_at_rest(self) -> None:
+        for flat in self.flats:
+            self._count(flat.gather_at_rest(self.label, self.comm))
+            flat.touched = True
+
+    def mark_touched(self) -> None:
+        for flat in self.flats:
+            flat.touched = True
+
     def gather(self, *, wait: bool = True) -> None:
         """Start (and by default finish) the AllGathers that make the parameters usable."""
         for flat in self.flats:
@@ -372,7 +463,7 @@ class ShardedUnit:
     def done(self) -> bool:
         """Its backward is over: every trainable gradient arrived and backward went through to its
         inputs (for a unit with frozen weights, which no gradient hook tracks)."""
-        return self.pending == 0 and self.inputs_pending == 0
+        return self.pending == 0 and self.inputs_pending == 0 and self.deferred_calls == 0
 
     def attach_grads(self) -> None:
         """Its backward begins: the trainable parameters' ``.grad`` become views of one flat buffer
@@ -436,12 +527,26 @@ class ShardedUnit:
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
+    def drop_reduce(self) -> None:
+        """Abort: forget a finished ReduceScatter without adding it into the shard gradient."""
+        self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
+        self.reduce_handle = self.reduce_in = self.reduce_out = None
+
+    def drop_grad_buffer(self) -> None:
+        """Abort: the gradients of a backward that raised are dropped (``.grad`` None)."""
+        for p in self.params:
+            p.grad = None
+        if self.grad_buffer is not None:
+            self._count_buffer(-self.grad_buffer.numel() * self.grad_buffer.element_size())
+            self.grad_buffer = None
+
     def end_backward(self) -> None:
         """Back to IDLE, ready for the next backward."""
         self.state = TrainingState.IDLE
         self.pending = len(self.params)
         self.used = [False] * len(self.params)
         self.inputs_pending = 0
+        self.deferred_calls = 0
 
 
 def _views(grad: Tensor, buffer: Tensor, offset: int) -> bool:
