@@ -1,4 +1,16 @@
-"""The full form: rank 0 writes one Lightning checkpoint file; every rank reads it whole and takes its part."""
+"""The full form: rank 0 writes one Lightning checkpoint file; every rank reads it whole and takes its part.
+
+[Note: two layouts of the full file]
+The Trainer's strategy writes the Trainer's layout: ``state_dict``, ``optimizer_states`` (a list),
+``lr_schedulers``, ``pytorch-lightning_version``, loops, callbacks. Fabric's strategy writes what
+Fabric's DDP writes: the user's own keys (``{"model": <the model's state dict>, "optimizer":
+<optimizer.state_dict() of one process>, "iter_num": 3}``), plus :data:`FABRIC_RECORD`, which names
+the keys of the model, the optimizers and the LR schedulers (``"layout": "user keys"``) and the
+Lightning version. Every reader of this package takes the Trainer's layout: :func:`_read_full` maps a
+file of the user's keys onto it (:func:`_as_trainer_layout`, checksum paths included), so the Trainer
+resumes a Fabric file and Fabric loads either. Fabric files written before this layout hold the
+Trainer's layout with the record (without ``"layout"``) and read as they are.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +35,16 @@ from lightning_zero.checkpoint.files import (
     remove_stale_partials,
 )
 from lightning_zero.checkpoint.format import CheckpointError, _hyper
-from lightning_zero.checkpoint.integrity import add_full_checksums
+from lightning_zero.checkpoint.integrity import INTEGRITY_KEY, add_full_checksums
 from lightning_zero.checkpoint.layout import _check_keys, _check_shape, _names, _slots
 from lightning_zero.comm import Communicator
 from lightning_zero.streamed import Resolver, Streamed, contains_streamed, plan
 from lightning_zero.streamed import Source as StreamSource
 from lightning_zero.streamed import write as write_streamed
 from lightning_zero.zero.flat_param import full_optimizer_state, original_indices
+
+FABRIC_RECORD = "lightning_zero_fabric"  # a Fabric save's entry naming the user's keys of each role
+USER_KEYS = "user keys"  # the record's "layout" when the file holds the user's keys (Fabric's DDP layout)
 
 # --------------------------------------------------------------------------- the full form: save
 
@@ -227,6 +242,8 @@ def _read_full(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None
             f"cannot read the checkpoint file {path} ({_size(path)}): truncated, corrupt or not written by "
             f"torch.save ({type(err).__name__}: {err})"
         ) from err
+    if isinstance(checkpoint, Mapping):
+        checkpoint = _as_trainer_layout(checkpoint)
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         found = (
             sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
@@ -236,6 +253,49 @@ def _read_full(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None
             "model state dict loads with module.load_state_dict(torch.load(...)), not through the Trainer"
         )
     return checkpoint
+
+
+def _as_trainer_layout(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """A file of the user's keys in the Trainer's layout (see [Note: two layouts of the full file]);
+    any other checkpoint as it is."""
+    record = checkpoint.get(FABRIC_RECORD)
+    if not isinstance(record, Mapping) or record.get("layout") != USER_KEYS:
+        return dict(checkpoint)
+    moves = {record["model"]: "state_dict"}
+    moves |= {key: f"optimizer_states/{i}" for i, key in enumerate(record["optimizers"])}
+    moves |= {key: f"lr_schedulers/{j}" for j, key in enumerate(record["lr_schedulers"])}
+    missing = sorted(k for k in moves if k not in checkpoint)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint's record names the entries {missing}, which it does not hold: it was changed "
+            "after it was written; load an earlier checkpoint"
+        )
+    out = {k: v for k, v in checkpoint.items() if k not in moves}
+    out["state_dict"] = checkpoint[record["model"]]
+    if record["optimizers"]:
+        out["optimizer_states"] = [checkpoint[k] for k in record["optimizers"]]
+    out["lr_schedulers"] = [checkpoint[k] for k in record["lr_schedulers"]]
+    out.setdefault("pytorch-lightning_version", record["lightning"])
+    if isinstance(out.get(INTEGRITY_KEY), Mapping):
+        out[INTEGRITY_KEY] = _moved_checksums(out[INTEGRITY_KEY], moves)
+    return out
+
+
+def _moved_checksums(integrity: Mapping[str, Any], moves: Mapping[str, str]) -> dict[str, Any]:
+    """The checksum record with its tensor paths (``model/w``) where :func:`_as_trainer_layout` put
+    their tensors (``state_dict/w``)."""
+
+    def moved(path: str) -> str:
+        for key, place in moves.items():
+            if path == key or path.startswith(f"{key}/"):
+                return place + path[len(key) :]
+        return path
+
+    return {
+        **integrity,
+        "tensors": {moved(p): crc for p, crc in integrity.get("tensors", {}).items()},
+        "records": [moved(p) for p in integrity.get("records", [])],
+    }
 
 
 def _load(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None) -> Any:

@@ -2,23 +2,22 @@
 
 [Note: Fabric state keys]
 ``fabric.save(path, state)`` takes the user's own dict, e.g. ``{"model": model, "optimizer":
-optimizer, "scheduler": scheduler, "step": 3}``. The Fabric strategy writes it in the Trainer's
-checkpoint format (full file or sharded directory, see [Note: checkpoint forms] in checkpoint/__init__.py),
-each object in its *role*:
+optimizer, "scheduler": scheduler, "iter_num": 3}``. Each object is saved in its *role*: the model
+this strategy set up as the whole model's state dict under the original names (the sharded form:
+this rank's slices), its optimizers as the state one process has (original parameter indices; all
+of them, or none: a weights-only save), LR schedulers and other objects with ``state_dict()`` as
+that, everything else as it is; the precision plugin's state, when it has one (the fp16 loss scale),
+under the plugin's class name, where the Trainer files it.
 
-- the model this strategy set up -> ``state_dict`` (the whole model under the original names; in
-  the sharded form this rank's slices);
-- its optimizers -> ``optimizer_states``, numbered in the order they were set up, as the Trainer
-  numbers ``configure_optimizers``' (all of them, or none: a weights-only save);
-- LR schedulers -> ``lr_schedulers``, in the order they appear in ``state`` (``[]`` when none: the
-  Trainer refuses to resume without the key);
-- the precision plugin's state, when it has one (the fp16 loss scale) -> under the plugin's class
-  name, where the Trainer files it;
-- ``pytorch-lightning_version``: the Trainer refuses a checkpoint without it;
-- ``lightning_zero_fabric``: the user's key of each role, ``{"model": "model", "optimizers":
-  ["optimizer"], "lr_schedulers": ["scheduler"]}``, so that ``fabric.load(path)`` hands the entries
-  back under the keys they were saved with;
-- every other entry under its own key, as Fabric saves it (objects with ``state_dict()`` as that).
+The full form keeps the user's keys, as Fabric's DDP writes them: ``torch.load(path)["model"]`` is
+the model's plain state dict and ``["optimizer"]`` the plain optimizer's ``state_dict()``. One entry
+is added, ``lightning_zero_fabric``: the user's key of each role, ``{"model": "model",
+"optimizers": ["optimizer"], "lr_schedulers": ["scheduler"], "layout": "user keys", "lightning":
+<version>}``, from which the checkpoint package reads the file in the Trainer's layout (see [Note:
+two layouts of the full file] in checkpoint/full.py): a Trainer resumes it. The sharded form is
+written in the Trainer's layout (``state_dict``, ``optimizer_states`` numbered in set-up order,
+``lr_schedulers`` in ``state`` order, ``pytorch-lightning_version``) with the same record, without
+``"layout"``.
 
 Loading maps the roles back whatever the user's keys are now: the model in ``state`` takes
 ``state_dict``, the i-th optimizer set up takes ``optimizer_states[i]``, the j-th LR scheduler in
@@ -35,11 +34,13 @@ from typing import Any, NamedTuple
 import lightning
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_zero.checkpoint.full import FABRIC_RECORD, USER_KEYS
+
 MODEL = "state_dict"  # the Trainer's key of the model state
 OPTIMIZERS = "optimizer_states"  # ... of the optimizers' states, a list
 SCHEDULERS = "lr_schedulers"  # ... of the LR schedulers' states, a list
 VERSION = "pytorch-lightning_version"  # the Trainer reads it before anything else
-ROLES = "lightning_zero_fabric"  # the user's keys of the entries above (a Fabric save)
+ROLES = FABRIC_RECORD  # the user's keys of the entries above (a Fabric save)
 RESERVED = (MODEL, OPTIMIZERS, SCHEDULERS, VERSION, ROLES)  # not available as the user's own keys
 
 
@@ -76,8 +77,11 @@ def check_user_keys(state: Mapping[str, Any], roles: Roles, precision_key: str |
         )
 
 
-def lightning_entries(roles: Roles) -> dict[str, Any]:
-    """What every Fabric save adds for the Trainer: its version and the user's keys of the roles."""
+def lightning_entries(roles: Roles, *, user_keys: bool) -> dict[str, Any]:
+    """What every Fabric save adds for the Trainer: the user's keys of the roles and the Lightning
+    version (``user_keys``: the entries are under the user's keys, the version in the record)."""
+    if user_keys:
+        return {ROLES: {**roles.as_dict(), "layout": USER_KEYS, "lightning": lightning.__version__}}
     return {VERSION: lightning.__version__, ROLES: roles.as_dict()}
 
 

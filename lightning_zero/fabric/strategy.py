@@ -1,17 +1,17 @@
 """ZeroStrategy for Lightning Fabric: the Fabric glue over the engines the Trainer's glue uses.
 
 [Note: set up together or apart]
-Stages 1-3 (and stage 0 under a mixed-precision policy, whose optimizers step fp32 masters) lay the
-model's shards out along the optimizers' param groups, so the engine needs the optimizers when it
-wraps the model. ``fabric.setup(model, optimizer, ...)`` gives both at once and the model is wrapped
-there. ``fabric.setup_module(model)`` followed by ``fabric.setup_optimizers(optimizer, ...)`` gives
-them apart: ``setup_module`` then returns the model in a stand-in (:class:`_AwaitingOptimizers`),
-``setup_optimizers`` records the optimizers, and the model is wrapped, with every optimizer set up
-by then, at its first use: the first forward, ``no_backward_sync``, ``save``, ``load``,
-``clip_gradients``, ``gathered()``. An optimizer set up after that cannot be sharded any more and is
-an error that says so. Stage 0 in the model's own dtype needs no optimizer and wraps at once.
-Either way every rank must take the same steps in the same order (the wrap broadcasts rank 0's
-parameters).
+``fabric.setup(model, optimizer, ...)`` gives the model and its optimizers at once and the engine
+wraps them together. ``fabric.setup(model)`` (or ``setup_module``) gives the model alone, as litgpt and
+Lightning's FSDP examples do: the model is wrapped at once (stage 3: built on the meta device, it is
+given its values and sharded unit by unit here), so ``model.parameters()`` afterwards are the model's
+own parameters as set up (stage 3: sharded placeholders, which no computation may read). An optimizer
+made from them and passed to ``setup_optimizers`` is then laid onto the engine's flat spaces in place
+(:func:`_lay_onto`): stages 1-3 give each param group the sub-shards of its parameters, stage 0 under a
+mixed-precision policy its fp32 masters; stage 0 in the model's own dtype keeps it as it is. The set of
+optimizers closes at the model's first use (the first forward, ``no_backward_sync``, ``save``,
+``load``, ``clip_gradients``, ``gathered()``): an optimizer set up after that is an error that says
+so. Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from typing_extensions import override
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
-from lightning_zero.engines import Engine, make_engine
+from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
 from lightning_zero.fabric import state as fstate
 from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import resolve_policy, training_precision
+from lightning_zero.zero.optimizer import check_shardable, resolve_optimizer_classes, shard_optimizer_in_place
 
 
 class ZeroStrategy(DDPStrategy, _Sharded):
@@ -103,7 +104,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         self._engine: Engine | None = None  # the stage's mechanism, built with the model's setup
         self._module: nn.Module | None = None  # the user's model (the one this strategy sets up)
         self._wrapped: ZeroModule | None = None  # the engine's wrapper, once wrapped
-        self._root: nn.Module | None = None  # what setup returned: the wrapper or a stand-in
+        self._closed = False  # the model was used: the optimizers set up so far are all it has
         self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
         self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
 
@@ -143,40 +144,38 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         self._begin(module)
         self._optimizers = list(optimizers)
         self._wrap()
-        self._root = self._wrapped
         return self._wrapped, optimizers, scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Wrap ``module``, or, where the stage needs the optimizers, return a stand-in that wraps it on
-        first use (see [Note: set up together or apart])."""
-        engine = self._begin(module)
-        if engine.needs_optimizers_first:
-            self._root = _AwaitingOptimizers(module, self)
-        else:
-            self._wrap()
-            self._root = self._wrapped
-        return self._root
+        """Wrap ``module`` now; its optimizers may follow (see [Note: set up together or apart])."""
+        self._begin(module)
+        self._wrap()
+        return self._wrapped
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Lay ``optimizer`` onto the model's flat spaces (see [Note: set up together or apart])."""
         if self._engine is None:
             raise RuntimeError(
-                "ZeroStrategy: set up the model before its optimizers (model = fabric.setup_module(model), "
+                "ZeroStrategy: set up the model before its optimizers (model = fabric.setup(model), "
                 "then optimizer = fabric.setup_optimizers(optimizer)), or both at once: "
                 "model, optimizer = fabric.setup(model, optimizer)"
             )
-        if self._wrapped is not None and self._engine.needs_optimizers_first:
+        if self._closed and self._engine.needs_optimizers_first:
             raise RuntimeError(
-                f"ZeroStrategy(stage={self._config.stage}) already laid out the model's shards along the "
-                f"{len(self._optimizers)} optimizer(s) it had when the model was first used (forward, "
+                f"ZeroStrategy(stage={self._config.stage}) already laid out the model's shards and trained with "
+                f"the {len(self._optimizers)} optimizer(s) set up before the model's first use (forward, "
                 "no_backward_sync, save, load, clip_gradients); it cannot shard another one. Set up every "
                 "optimizer before that: fabric.setup_optimizers(opt1, opt2) right after "
-                "fabric.setup_module(model), or fabric.setup(model, opt1, opt2)"
+                "fabric.setup(model), or fabric.setup(model, opt1, opt2)"
             )
         if any(opt is optimizer for opt in self._optimizers):
             raise ValueError(f"this {type(optimizer).__name__} is set up already")
+        assert self._module is not None
+        _lay_onto(self._engine, self._module, optimizer, len(self._optimizers))
         self._optimizers.append(optimizer)
+        _optimizers_to_device([optimizer], self.root_device)
         return optimizer
 
     def _begin(self, module: nn.Module) -> Engine:
@@ -207,20 +206,24 @@ class ZeroStrategy(DDPStrategy, _Sharded):
             )
         optimizers = self._optimizers if engine.needs_optimizers_first else []
         self._wrapped = engine.setup(module, optimizers, device=self.root_device, rng_state=self._init_rng)
+        self._wrapped.register_forward_pre_hook(self._close, prepend=True)
         _optimizers_to_device(self._optimizers, self.root_device)
 
+    def _close(self, *_: Any) -> None:
+        """The model's first use: the optimizers set up so far are all it trains with."""
+        self._closed = True
+
     def _ready(self) -> Engine:
-        """The engine, with the model wrapped (a stand-in's model is wrapped now)."""
+        """The engine of the model set up, now in use: no optimizer can be added any more."""
         if self._engine is None:
             raise RuntimeError(
                 "ZeroStrategy has no model yet: set it up first with fabric.setup(model, optimizer)"
             )
-        if self._wrapped is None:
-            self._wrap()
+        self._close()
         return self._engine
 
     def wrapped_module(self) -> ZeroModule:
-        """The engine's wrapper around the model (wrapping it now if a stand-in was returned)."""
+        """The engine's wrapper around the model."""
         self._ready()
         assert self._wrapped is not None
         return self._wrapped
@@ -229,7 +232,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         """Whether ``module`` is the model set up here: what ``fabric.setup`` returned, the strategy's
         wrapper inside it, or the user's own model."""
         module = _unwrap_objects(module)
-        return module is not None and any(module is m for m in (self._root, self._wrapped, self._module))
+        return module is not None and any(module is m for m in (self._wrapped, self._module))
 
     def _index(self, optimizer: Any, key: str | None = None) -> int:
         for i, opt in enumerate(self._optimizers):
@@ -408,24 +411,45 @@ class ZeroStrategy(DDPStrategy, _Sharded):
             )
 
     def _checkpoint_of(self, state: Mapping[str, Any], sharded: bool, filter: dict) -> dict[str, Any]:
+        """What ``fabric.save`` writes (see [Note: Fabric state keys]): the full form under the user's
+        keys, as Fabric's DDP writes it; the sharded form in the Trainer's layout."""
         roles = self._roles(state, saving=True)
         precision_key, precision_state = type(self.precision).__qualname__, self.precision.state_dict()
         fstate.check_user_keys(state, roles, precision_key if precision_state else None)
+        checkpoint = self._sharded_entries(state, roles) if sharded else self._user_entries(state, roles)
+        checkpoint = {key: _filtered(key, filter, value) for key, value in checkpoint.items()}
+        if precision_state:
+            checkpoint[precision_key] = precision_state
+        checkpoint.update(fstate.lightning_entries(roles, user_keys=not sharded))
+        return checkpoint
+
+    def _user_entries(self, state: Mapping[str, Any], roles: fstate.Roles) -> dict[str, Any]:
+        """Every entry under the user's key: the model's state dict, each optimizer's state as one
+        process has it (stage 3's values, and stages 1-3's optimizer state, written while gathered)."""
+        index_of = {key: i for i, key in roles.optimizers.items()}
+        checkpoint: dict[str, Any] = {}
+        for key, obj in state.items():
+            if key == roles.model:
+                checkpoint[key] = self._model_state(sharded=False)
+            elif key in index_of:
+                checkpoint[key] = self._optimizer_state(obj, index_of[key], sharded=False)
+            else:
+                checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        return checkpoint
+
+    def _sharded_entries(self, state: Mapping[str, Any], roles: fstate.Roles) -> dict[str, Any]:
+        """The Trainer's layout: the model under ``state_dict``, the optimizers in ``optimizer_states``,
+        the LR schedulers in ``lr_schedulers``, every other entry under its own key."""
         checkpoint: dict[str, Any] = {}
         for key, obj in state.items():
             if key not in roles.keys():
-                checkpoint[key] = _filtered(
-                    key, filter, obj.state_dict() if isinstance(obj, _Stateful) else obj
-                )
-        checkpoint[fstate.MODEL] = _filtered(roles.model, filter, self._model_state(sharded))
+                checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        checkpoint[fstate.MODEL] = self._model_state(sharded=True)
         if roles.optimizers:
             checkpoint[fstate.OPTIMIZERS] = [
-                self._optimizer_state(self._optimizers[i], i, sharded) for i in sorted(roles.optimizers)
+                self._optimizer_state(self._optimizers[i], i, sharded=True) for i in sorted(roles.optimizers)
             ]
         checkpoint[fstate.SCHEDULERS] = [state[key].state_dict() for key in roles.lr_schedulers]
-        if precision_state:
-            checkpoint[precision_key] = precision_state
-        checkpoint.update(fstate.lightning_entries(roles))
         return checkpoint
 
     def _roles(self, state: Mapping[str, Any], *, saving: bool) -> fstate.Roles:
@@ -598,19 +622,6 @@ class ZeroStrategy(DDPStrategy, _Sharded):
                 )
 
 
-class _AwaitingOptimizers(nn.Module):
-    """``setup_module``'s answer where the engine shards along the optimizers (see [Note: set up
-    together or apart]): runs the model through the engine's wrapper, wrapping it on the first call."""
-
-    def __init__(self, module: nn.Module, strategy: ZeroStrategy) -> None:
-        super().__init__()
-        self.module = module  # the user's model
-        self._strategy = strategy  # wraps the model once its optimizers are known
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._strategy.wrapped_module()(*args, **kwargs)
-
-
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model, enabled)``: the engine's no_sync on the model set up here."""
 
@@ -627,6 +638,42 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
                 f"got a {type(module).__name__}"
             )
         return self._strategy.no_sync()
+
+
+def _lay_onto(engine: Engine, module: nn.Module, optimizer: Optimizer, index: int) -> None:
+    """An optimizer set up after its model: its groups take the tensors the engine steps for their
+    parameters (see [Note: set up together or apart]), as ``engine.setup`` does for the optimizers it
+    is given. ``index``: its position among the model's optimizers."""
+    if not engine.needs_optimizers_first:
+        return
+    _check_own_parameters(module, optimizer)
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} already holds state (it stepped before fabric.setup_optimizers); "
+            "set it up before its first step"
+        )
+    if isinstance(engine, FullyShardedEngine):
+        check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
+        engine.original_groups[index] = shard_optimizer_in_place(optimizer, index, engine.flat_spaces())
+    elif isinstance(engine, ShardedOptimizerEngine):
+        check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
+        engine.sharded_params.shard_optimizer(optimizer, index)
+    else:  # stage 0 under a policy: the groups step the fp32 masters
+        for group in optimizer.param_groups:
+            group["params"] = [engine.masters.get(id(p), p) for p in group["params"]]
+    engine.optimizers.append(optimizer)
+
+
+def _check_own_parameters(module: nn.Module, optimizer: Optimizer) -> None:
+    """Every parameter the optimizer holds is one of the model's (the sharded stages step only those)."""
+    own = {id(p) for p in module.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(
+            f"the {type(optimizer).__name__} holds {foreign} parameter(s) that are not the model's (a copy, or "
+            "another module's); make it from the parameters of the model fabric.setup returned: "
+            "optimizer = torch.optim.AdamW(model.parameters()), then fabric.setup_optimizers(optimizer)"
+        )
 
 
 def _filtered(key: str | None, filter: Mapping[str, Callable[[str, Any], bool]], value: Any) -> Any:
