@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_STAGES = (0, 1, 2, 3)  # stages this build implements
 STATE_DICT_TYPES = ("full", "sharded")  # checkpoint forms (lightning_zero/checkpoint/)
 NONFINITE_ACTIONS = ("off", "skip", "stop")  # what nonfinite_grads may ask for
+CPU_ALLOCATOR_MODES = ("tuned", "default")  # cpu_allocator values (lightning_zero/allocator.py)
 
 
 @dataclass
@@ -103,6 +104,12 @@ class ZeroConfig:
         verify_checkpoints: check every tensor (full form) or chunk (sharded form) against the
             CRC32 recorded when it was written, when loading; a mismatch is a CheckpointError
             naming the file and the tensor.
+        cpu_allocator: training on CPU under Linux with glibc: ``"tuned"`` sets glibc's malloc so
+            that freed tensors go back to the system (a fixed 64 KiB mmap threshold and a fixed
+            trim threshold, as ``MALLOC_MMAP_THRESHOLD_=65536`` would), so that the memory a
+            stage frees shows in the process's resident size; ``"default"`` leaves glibc's
+            defaults. Settings the user made in the environment are kept either way; nothing
+            changes on GPUs or other C libraries (lightning_zero/allocator.py).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -132,6 +139,7 @@ class ZeroConfig:
     fault_wait_s: float = 3.0  # wait this long for a failing rank's message after a collective fails
     keep_previous_checkpoint: bool = True  # keep .NAME.previous when NAME is overwritten
     verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading
+    cpu_allocator: str = "tuned"  # CPU on glibc: "tuned" (freed memory returned) | "default"
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -164,6 +172,10 @@ class ZeroConfig:
             if value is not None and value not in ("bf16", "fp16", "fp32"):
                 raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
         self._check_failure_handling()
+        if self.cpu_allocator not in CPU_ALLOCATOR_MODES:
+            raise ValueError(
+                f"cpu_allocator must be one of {list(CPU_ALLOCATOR_MODES)}, got {self.cpu_allocator!r}"
+            )
 
     def _check_stage3(self) -> None:
         _check_bool("prefetch", self.prefetch)
@@ -182,18 +194,18 @@ class ZeroConfig:
 
     def _check_classes(self) -> None:
         """Import paths are resolved now, where the value enters, not when the processes start."""
-        if self.wrap_policy is not None:
-            from lightning_zero.zero.wrap import make_policy
+        from lightning_zero.imports import resolve_classes, resolve_init_fn, resolve_optimizer_classes
 
-            make_policy(self.wrap_policy, self.min_num_params)
+        policy = self.wrap_policy
+        if isinstance(policy, (str, type)) or (isinstance(policy, (list, tuple)) and policy):
+            resolve_classes([policy] if isinstance(policy, (str, type)) else policy)
+        elif policy is not None and not callable(policy):
+            raise ValueError(
+                f"wrap_policy must be a class, an import path, a list of them or a callable, got {policy!r}"
+            )
         if self.elementwise_optimizers:
-            from lightning_zero.zero.optimizer import resolve_optimizer_classes
-
             resolve_optimizer_classes(self.elementwise_optimizers)
-        if self.param_init_fn is not None:
-            from lightning_zero.zero.deferred import resolve_init_fn
-
-            resolve_init_fn(self.param_init_fn)
+        resolve_init_fn(self.param_init_fn)
 
     def _check_failure_handling(self) -> None:
         _check_int("ledger_records", self.ledger_records)

@@ -24,8 +24,9 @@ from torch.optim import Optimizer
 from lightning_zero.comm import Communicator
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import ZeroModule, trainable_parameters, wrap_module
+from lightning_zero.imports import resolve_init_fn
 from lightning_zero.precision import PrecisionPolicy, cast_parameters
-from lightning_zero.zero.deferred import Initializer, is_deferred, resolve_init_fn
+from lightning_zero.zero.deferred import Initializer, is_deferred
 from lightning_zero.zero.flat_param import (
     FlatParameter,
     clip_grad_norm_,

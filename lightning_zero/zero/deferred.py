@@ -28,7 +28,6 @@ module or an ancestor); if none does, setup stops with an error naming the buffe
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,20 +68,6 @@ _PLAIN = (
 _values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # meta tensor -> _Recipe or its value (a real Tensor)
 _lost: WeakIdKeyDictionary = WeakIdKeyDictionary()  # meta tensor -> why it has no value
 _recording: list[_Recorder] = []  # the active recorder (at most one)
-
-
-def resolve_init_fn(param_init_fn: Any) -> InitFn | None:
-    """A callable from a callable or a ``package.module.function`` import path."""
-    if param_init_fn is None or callable(param_init_fn):
-        return param_init_fn
-    module_name, _, name = str(param_init_fn).rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"param_init_fn {param_init_fn!r} cannot be imported: {err}") from err
-    if not callable(fn):
-        raise ValueError(f"param_init_fn {param_init_fn!r} is not callable")
-    return fn
 
 
 @contextmanager

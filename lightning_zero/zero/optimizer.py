@@ -28,9 +28,8 @@ stages accept the optimizers in :data:`ELEMENTWISE` and those a user declares wi
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.grad_sync import GradReducer
+from lightning_zero.imports import resolve_optimizer_classes  # noqa: F401  (re-exported)
 from lightning_zero.zero.flat_param import (
     FlatParameter,
     clip_grad_norm_,
@@ -65,22 +65,6 @@ def mark_elementwise(cls: type) -> type:
         raise TypeError(f"mark_elementwise takes a torch.optim.Optimizer subclass, got {cls!r}")
     _DECLARED.add(cls)
     return cls
-
-
-def resolve_optimizer_classes(entries: Iterable[str | type]) -> tuple[type, ...]:
-    """Optimizer classes from classes or ``package.module.Class`` import paths."""
-    classes = []
-    for entry in entries:
-        if isinstance(entry, str):
-            module_name, _, class_name = entry.rpartition(".")
-            try:
-                entry = getattr(importlib.import_module(module_name), class_name)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise ValueError(f"elementwise_optimizers: {entry!r} cannot be imported: {err}") from err
-        if not (isinstance(entry, type) and issubclass(entry, Optimizer)):
-            raise ValueError(f"elementwise_optimizers: {entry!r} is not a torch.optim.Optimizer subclass")
-        classes.append(entry)
-    return tuple(classes)
 
 
 def check_shardable(optimizer: Optimizer, declared: Sequence[type] = ()) -> None:

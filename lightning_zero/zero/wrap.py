@@ -8,30 +8,14 @@ nested unit owns. Parameters outside every unit belong to the root unit (the who
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from lightning_zero.imports import resolve_classes
+
 WrapPolicy = Callable[[nn.Module, str], bool]
-
-
-def resolve_classes(names: Sequence[str | type]) -> tuple[type, ...]:
-    """Classes from classes or ``package.module.Class`` import paths."""
-    classes = []
-    for entry in names:
-        if isinstance(entry, type):
-            classes.append(entry)
-            continue
-        module_name, _, class_name = str(entry).rpartition(".")
-        if not module_name:
-            raise ValueError(f"wrap_policy class {entry!r} must be an import path like 'examples.gpt.Block'")
-        try:
-            classes.append(getattr(importlib.import_module(module_name), class_name))
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"wrap_policy class {entry!r} cannot be imported: {err}") from err
-    return tuple(classes)
 
 
 def make_policy(wrap_policy: Any = None, min_num_params: int | None = None) -> WrapPolicy | None:
