@@ -231,6 +231,26 @@ def trainer_layout(source: str, path: str, root: str) -> dict[str, Any]:
 
 
 @_guard
+def as_trainer_file(source: str, path: str, root: str) -> dict[str, Any]:
+    """Rank 0 writes the entries of the Fabric file ``source`` (``{"model", "optimizer", "step"}``,
+    as tests/fabric/jobs.py saves) where Lightning's own Trainer reads them, for its DDP to resume."""
+    if torch.distributed.get_rank() == 0:
+        saved = torch.load(source, weights_only=True)
+        torch.save(
+            {
+                "state_dict": saved["model"],
+                "optimizer_states": [saved["optimizer"]],
+                "lr_schedulers": [],
+                "step": saved["step"],
+                "pytorch-lightning_version": L.__version__,
+            },
+            path,
+        )
+    torch.distributed.barrier()
+    return {}
+
+
+@_guard
 def misuse(root: str) -> dict[str, Any]:
     """What an optimizer set up after its model says when it cannot be laid onto the shards."""
     run = Run()

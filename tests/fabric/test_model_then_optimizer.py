@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fabric import order
+from tests.fabric import jobs, order
 from tests.fabric.order import SAVE_AT, Run
 from tests.matrix.runner import run_jobs
 
@@ -61,6 +61,12 @@ def _jobs(root: Path) -> dict[tuple, object]:
     )
     out[("resume", OLD, Run(stage=3))] = functools.partial(order.resume, Run(stage=3), _path(root, OLD))
     out[("misuse",)] = order.misuse
+    fabric_file, trainer_file = _path(root, "fabric-zero3"), _path(root, "as-trainer")
+    out[("trainer", "save")] = functools.partial(jobs.save_midway, jobs.Loop(), 3, "full", fabric_file)
+    out[("trainer", "rewrite")] = functools.partial(order.as_trainer_file, fabric_file, trainer_file)
+    out[("trainer", "ddp")] = functools.partial(jobs.trainer_resume, "ddp", trainer_file)
+    for stage in (0, 2):
+        out[("trainer", stage)] = functools.partial(jobs.trainer_resume, stage, fabric_file)
     return out
 
 
@@ -169,3 +175,16 @@ def test_optimizers_set_up_after_the_model_say_what_is_wrong(runs):
     assert out["late"].startswith(
         "RuntimeError: ZeroStrategy(stage=3) already laid out the model's shards"
     ), out
+
+
+def test_the_trainer_resumes_a_full_fabric_file(runs):
+    """Fabric's full file holds the user's keys; this package's Trainer strategy (stages 0 and 2)
+    resumes it with ``trainer.fit(module, ckpt_path=path)`` as Lightning's own DDP Trainer resumes the
+    same entries in the Trainer's layout."""
+    _ok(runs, ("trainer", "save"))
+    _ok(runs, ("trainer", "rewrite"))
+    reference = _ok(runs, ("trainer", "ddp"))[0]
+    for stage in (0, 2):
+        r0, r1 = _ok(runs, ("trainer", stage))
+        assert _max_diff(r0["params"], reference["params"]) <= TOL, stage
+        assert _max_diff(r0["params"], r1["params"]) == 0.0, stage
