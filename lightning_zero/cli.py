@@ -5,7 +5,7 @@
         --tokens-per-rank 4096 --bucket-sweep --plot-dir plots
     lightning-zero plan --params 8B -n 128 512 --global-batch-tokens 4M --seq-len 4096 \\
         --micro-batch 2 --pow2 --json
-    lightning-zero consolidate checkpoints/last.ckpt last-full.ckpt [--weights-only]
+    lightning-zero consolidate checkpoints/last.ckpt last-full.ckpt [--weights-only] [--trusted]
 
 Each subcommand is one ``_add_<name>_parser`` function that builds its arguments and one
 ``_run_<name>`` function that the dispatcher in :func:`main` calls with the parsed arguments.
@@ -589,13 +589,21 @@ def _add_consolidate_parser(subparsers: Any) -> None:
         action="store_true",
         help="leave out optimizer, LR-scheduler and callback state (weights, hyper-parameters, progress)",
     )
+    p.add_argument(
+        "--trusted",
+        action="store_true",
+        help="the checkpoint comes from a trusted source: unpickle the objects in meta.pt and the shards "
+        "as saved, which runs the code they name (default: only plain values and tensors load)",
+    )
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
     from lightning_zero.checkpoint import CheckpointError, consolidate  # torch: only when asked
 
     try:
-        result = consolidate(args.checkpoint_dir, args.out, weights_only=args.weights_only)
+        result = consolidate(
+            args.checkpoint_dir, args.out, weights_only=args.weights_only, trusted=args.trusted
+        )
     except (CheckpointError, FileNotFoundError) as err:
         raise ValueError(str(err)) from err
     print(

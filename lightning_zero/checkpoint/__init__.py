@@ -15,14 +15,16 @@ that lie in its shards, in parallel; rank 0 adds ``meta.pt`` with everything els
 (loops, LR schedulers, callbacks, hyper-parameters) and the layout. ``lightning-zero consolidate``
 turns it into a full file without a process group.
 
-The package: ``format.py`` (names, CheckpointError, Piece), ``layout.py`` (who holds what),
-``full.py`` and ``sharded.py`` / ``sharded_load.py`` (the two forms), ``files.py`` (partial and
-previous siblings, publishing), ``consolidate.py``.
+The package: ``format.py`` (names, CheckpointError, Piece, what unpickling may run: [Note: what
+loading runs]), ``dcp_metadata.py`` (DCP's index read through an allow-list), ``layout.py`` (who
+holds what), ``full.py`` and ``sharded.py`` / ``sharded_load.py`` (the two forms), ``files.py``
+(partial and previous siblings, publishing), ``integrity.py`` (checksums), ``consolidate.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ from lightning_zero.checkpoint.format import (
     WEIGHTS_ONLY_DROPS,
     CheckpointError,
     Piece,
+    UnsafeCheckpointError,
+    refusal,
 )
 from lightning_zero.checkpoint.full import (
     _load_full_model,
@@ -73,6 +77,7 @@ from lightning_zero.comm import Communicator
 
 log = logging.getLogger(__name__)
 CheckpointError.__module__ = __name__  # raised and shown as lightning_zero.checkpoint.CheckpointError
+UnsafeCheckpointError.__module__ = __name__
 
 __all__ = [
     "DCP_METADATA_FILE",
@@ -87,6 +92,7 @@ __all__ = [
     "Piece",
     "ShardedModelState",
     "ShardedOptimizerState",
+    "UnsafeCheckpointError",
     "consolidate",
     "fallbacks",
     "gather_optimizer_state",
@@ -120,27 +126,47 @@ def read(
     entries, with stand-ins for the model and optimizer states, which are read later, each rank
     its own part (checked first: see :func:`inspect_sharded`). ``verify``: against the checksums
     recorded when it was written ([Note: checkpoint checksums]); with ``comm`` every rank takes
-    part (the sharded form's files are checked one rank each, the verdict shared)."""
+    part (the sharded form's files are checked one rank each, the verdict shared).
+
+    Nothing in the checkpoint runs unless ``weights_only=False`` says the caller trusts it: a
+    global off the allow-list is an :class:`UnsafeCheckpointError` ([Note: what loading runs])."""
+    trusted = weights_only is False  # None (Lightning's default) loads weights only, remote files too
     if "://" in str(path):
-        return _verified_full(_read_full(str(path), checkpoint_io, weights_only), path, verify)
+        return _verified_full(_read_full_or_refuse(str(path), checkpoint_io, trusted), path, verify)
     p = resolve(path)
     if not p.is_dir():
         if verify:
             verify_zip_records(p, only_pickle=True)
-        checkpoint = _read_full(p, checkpoint_io, weights_only)
+        checkpoint = _read_full_or_refuse(p, checkpoint_io, trusted)
         if verify and by_records(checkpoint):
             _shared_verdict(comm, lambda rank, world: verify_records(p, rank=rank, world_size=world))
         return _verified_full(checkpoint, p, verify)
-    meta, metadata = inspect_sharded(p)
+    meta, metadata = inspect_sharded(p, trusted=trusted)
     layout = meta.pop(LAYOUT_KEY)
     if verify:
         _verify_shards(p, metadata, layout.get("checksums"), comm)
-    meta["state_dict"] = ShardedModelState(p, layout, metadata)
+    meta["state_dict"] = ShardedModelState(p, layout, metadata, trusted=trusted)
     if layout["optimizers"] is not None:
         meta["optimizer_states"] = [
-            ShardedOptimizerState(p, layout, metadata, i) for i in range(len(layout["optimizers"]))
+            ShardedOptimizerState(p, layout, metadata, i, trusted=trusted)
+            for i in range(len(layout["optimizers"]))
         ]
     return meta
+
+
+def _read_full_or_refuse(path: Any, checkpoint_io: CheckpointIO, trusted: bool) -> dict[str, Any]:
+    """A full file, weights only unless ``trusted``; torch's refusal of a global named with the file."""
+    try:
+        return _read_full(path, checkpoint_io, not trusted)
+    except Exception as err:
+        refused = [
+            e
+            for e in (err, err.__cause__)
+            if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e)
+        ]
+        if not refused:
+            raise
+        raise refusal(path, refused[0]) from err
 
 
 def _verified_full(checkpoint: dict[str, Any], source: Any, verify: bool) -> dict[str, Any]:
@@ -180,9 +206,12 @@ def read_or_fallback(
     verify: bool = True,
 ) -> dict[str, Any]:
     """:func:`read`, or, when ``path`` is missing or damaged, the first intact checkpoint of
-    :func:`fallbacks` with a warning that names both; every rank takes the same decision."""
+    :func:`fallbacks` with a warning that names both; every rank takes the same decision. A
+    refused object (:class:`UnsafeCheckpointError`) is not damage: it is raised, never fallen back from."""
     try:
         return read(path, checkpoint_io, weights_only, comm=comm, verify=verify)
+    except UnsafeCheckpointError:
+        raise
     except (CheckpointError, FileNotFoundError) as err:
         if "://" in str(path):
             raise
@@ -192,6 +221,8 @@ def read_or_fallback(
         for candidate in candidates:
             try:
                 checkpoint = read(candidate, checkpoint_io, weights_only, comm=comm, verify=verify)
+            except UnsafeCheckpointError:
+                raise
             except (CheckpointError, FileNotFoundError):
                 continue
             if comm is None or comm.rank == 0:

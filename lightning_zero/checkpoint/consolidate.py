@@ -7,12 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-)
-
-from lightning_zero.checkpoint.files import _sibling, resolve
+from lightning_zero.checkpoint.files import _fsync_dir, _sibling, _write_synced, resolve
 from lightning_zero.checkpoint.format import (
     LAYOUT_KEY,
     MODEL_PREFIX,
@@ -20,11 +15,10 @@ from lightning_zero.checkpoint.format import (
     CheckpointError,
     _destination,
     _hyper,
-    _LoadPlanner,
     _unbox,
 )
 from lightning_zero.checkpoint.integrity import add_full_checksums, files_of, verify_sharded
-from lightning_zero.checkpoint.sharded import _reader, inspect_sharded
+from lightning_zero.checkpoint.sharded import ShardedModelState, _load_items, inspect_sharded
 from lightning_zero.checkpoint.sharded_load import _read_named_state, _state_index
 from lightning_zero.comm import Communicator
 
@@ -38,41 +32,49 @@ class Consolidated(NamedTuple):
     nbytes: int  # bytes of the file
 
 
-def consolidate(source: str | Path, out: str | Path, *, weights_only: bool = False) -> Consolidated:
+def consolidate(
+    source: str | Path, out: str | Path, *, weights_only: bool = False, trusted: bool = False
+) -> Consolidated:
     """Turn a sharded checkpoint into one plain Lightning checkpoint file, in this process alone
-    (no process group, CPU). ``LightningModule.load_from_checkpoint(out)`` loads it; with
-    ``weights_only`` it holds no optimizer, LR-scheduler or callback state."""
+    (no process group, CPU). ``LightningModule.load_from_checkpoint(out)`` loads it.
+
+    Args:
+        weights_only: the file holds no optimizer, LR-scheduler or callback state.
+        trusted: the source is trusted: ``meta.pt`` and the shards' objects are unpickled as saved,
+            which runs the code they name (else only plain values load, see [Note: what loading runs]).
+    """
     src = resolve(source)
     if not src.is_dir():
         raise CheckpointError(
             f"{src} is a file, not a sharded checkpoint directory: a full checkpoint loads as it is"
         )
-    meta, metadata = inspect_sharded(src)
+    meta, metadata = inspect_sharded(src, trusted=trusted)
     layout = meta.pop(LAYOUT_KEY)
     verify_sharded(src, metadata, layout.get("checksums"), set(files_of(metadata)))
     comm = Communicator()
+    st = ShardedModelState(src, layout, metadata, trusted=trusted)
     checkpoint = dict(meta)
-    checkpoint["state_dict"] = _read_full_model(comm, src, layout, metadata)
+    checkpoint["state_dict"] = _read_full_model(comm, st)
     optimizers = layout["optimizers"] if not weights_only else None
     if weights_only:
         for key in WEIGHTS_ONLY_DROPS:
             checkpoint.pop(key, None)
     elif optimizers is not None:
-        checkpoint["optimizer_states"] = [
-            _read_full_optimizer(comm, src, layout, metadata, i) for i in range(len(optimizers))
-        ]
+        checkpoint["optimizer_states"] = [_read_full_optimizer(comm, st, i) for i in range(len(optimizers))]
     target = Path(out)
     partial = _sibling(target, "partial")
     add_full_checksums(checkpoint)
-    torch.save(checkpoint, partial)
+    _write_synced(checkpoint, partial)
     os.replace(partial, target)
+    _fsync_dir(target.parent)  # the rename survives a power loss
     return Consolidated(target, len(checkpoint["state_dict"]), len(optimizers or []), target.stat().st_size)
 
 
-def _read_full_model(comm: Communicator, path: Path, layout: dict, metadata: Metadata) -> dict[str, Any]:
-    mds = metadata.state_dict_metadata
+def _read_full_model(comm: Communicator, st: ShardedModelState) -> dict[str, Any]:
+    layout = st.layout
+    mds = st.metadata.state_dict_metadata
     dest = {fqn: _destination(md) for fqn, md in mds.items() if fqn.startswith(MODEL_PREFIX)}
-    comm.load_checkpoint_items(dest, _reader(path), _LoadPlanner(), name="checkpoint/read/model", local=True)
+    _load_items(comm, dest, st, name="checkpoint/read/model", local=True)
     values: dict[str, Any] = {}
     for name in {layout["aliases"].get(k, k) for k in layout["keys"]}:
         value = _unbox(dest[MODEL_PREFIX + name])
@@ -80,12 +82,12 @@ def _read_full_model(comm: Communicator, path: Path, layout: dict, metadata: Met
     return {key: values[layout["aliases"].get(key, key)] for key in layout["keys"]}
 
 
-def _read_full_optimizer(comm: Communicator, path: Path, layout: dict, metadata: Metadata, i: int) -> dict:
+def _read_full_optimizer(comm: Communicator, st: ShardedModelState, i: int) -> dict:
     """Optimizer ``i`` as ``optimizer.state_dict()`` of one process: numbered in group order."""
-    groups = layout["optimizers"][i]
+    groups = st.layout["optimizers"][i]
     order = list(dict.fromkeys(n for g in groups for n in g["params"]))
     ids = {name: j for j, name in enumerate(order)}
-    named = _read_named_state(comm, path, layout, metadata, _state_index(metadata, i, order), local=True)
+    named = _read_named_state(comm, st, _state_index(st.metadata, i, order), local=True)
     return {
         "state": {ids[n]: named[n] for n in order if n in named},
         "param_groups": [{**_hyper(g), "params": [ids[n] for n in g["params"]]} for g in groups],

@@ -6,6 +6,9 @@ A checkpoint appears under its final name only when complete. The sharded form i
 renames the previous checkpoint (if any) to ``.NAME.previous`` and ``.NAME.partial`` to ``NAME``;
 then all ranks pass a barrier. The full form is written to ``.NAME.partial``; the previous file
 is hard-linked as ``.NAME.previous`` and the new one renamed over ``NAME`` (one atomic rename).
+Every file is fsynced before it is published (DCP's writer fsyncs the shards, and the partial
+directory is fsynced for its entries), and the folder after every rename: a checkpoint reported
+saved is still there after a power loss.
 With ``keep_previous_checkpoint`` (the default) ``.NAME.previous`` stays until the next save under
 that name, so that a checkpoint found damaged later falls back to it (:func:`fallbacks`); without,
 it is deleted at once. A process killed during a save leaves the previous checkpoint in place
@@ -18,6 +21,7 @@ a truncated or foreign file is an error that names the file and what is missing,
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -58,12 +62,35 @@ def _publish(partial: Path, path: Path, *, keep_previous: bool = True) -> None:
         if keep_previous and _exists(path):
             _link_or_copy(path, previous)
         os.replace(partial, path)  # a file over a file: one atomic rename
+        _fsync_dir(path.parent)
         return
+    if partial.is_dir():
+        _fsync_dir(partial)  # its entries: the shard files and meta.pt
     if _exists(path):
         os.rename(path, previous)
     os.rename(partial, path)
+    _fsync_dir(path.parent)
     if not keep_previous:
         _remove(previous)
+
+
+_NO_DIRECTORY_SYNC = (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EACCES, errno.EISDIR)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in ``directory`` durable: fsync the directory itself. Skipped quietly where
+    a directory cannot be opened or synced (Windows, some network file systems)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _NO_DIRECTORY_SYNC:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _link_or_copy(path: Path, target: Path) -> None:

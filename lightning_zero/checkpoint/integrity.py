@@ -160,24 +160,52 @@ def _tensor_of(archive: zipfile.ZipFile, filename: str) -> str:
     if pickled is None:
         return "?"
 
-    class Keys(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            return _StorageKey(pid[2])
-
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-                return lambda storage, *args, **kwargs: storage
-            return super().find_class(module, name)
-
     try:
-        obj = Keys(io.BytesIO(archive.read(pickled))).load()
-    except Exception:  # an object that cannot be rebuilt here: name the record only
+        obj = _Keys(io.BytesIO(archive.read(pickled))).load()
+    except Exception:  # a pickle that cannot be walked here: name the record only
         return "?"
     return next((p for p, k in tensors_in(obj, leaf=_StorageKey) if k == key), "?")
 
 
 class _StorageKey(str):
     """A storage record's key, standing in for its tensor while the pickle is read for names."""
+
+
+class _Keys(pickle.Unpickler):
+    """Reads a torch.save pickle for its structure only: tensors become their storage keys, dicts
+    stay dicts, every other global an inert :class:`_Opaque`; nothing the pickle names is called ([Note: what loading runs] in ``format.py``)."""
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _StorageKey(pid[2])
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_parameter"):
+            return _storage_of  # its first argument: the storage (the tensor's, for a parameter)
+        if (module, name) == ("collections", "OrderedDict"):
+            return _Dict
+        return _Opaque
+
+
+class _Dict(dict):
+    """A state dict's OrderedDict while a pickle is read for names (keeps its ``_metadata``)."""
+
+
+def _storage_of(storage: Any, *args: Any, **kwargs: Any) -> Any:
+    return storage
+
+
+class _Opaque:
+    """Stands in for any object but a dict or tensor while a pickle is read for names: built from
+    anything, holding nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------- the sharded form

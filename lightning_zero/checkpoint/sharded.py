@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     Metadata,
 )
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.dcp_metadata import CheckedReader, read_dcp_metadata
 from lightning_zero.checkpoint.files import (
     _publish,
     _sibling,
@@ -46,10 +47,13 @@ from lightning_zero.checkpoint.format import (
     MODEL_PREFIX,
     CheckpointError,
     Piece,
+    UnsafeCheckpointError,
     _box,
     _Kept,
+    _LoadPlanner,
     _optimizer_prefix,
     _SavePlanner,
+    load_pickled,
 )
 from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
 from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _slots
@@ -181,10 +185,13 @@ class ShardedModelState:
     """Stands in ``checkpoint["state_dict"]`` for a sharded checkpoint until the strategy reads
     this rank's part of it (:func:`load_model_state`)."""
 
-    def __init__(self, path: Path, layout: dict[str, Any], metadata: Metadata) -> None:
+    def __init__(
+        self, path: Path, layout: dict[str, Any], metadata: Metadata, *, trusted: bool = False
+    ) -> None:
         self.path = path  # the checkpoint directory
         self.layout = layout  # meta.pt's layout entry
         self.metadata = metadata  # DCP's metadata: every saved key, its size and chunks
+        self.trusted = trusted  # loaded with weights_only=False: the shards' objects unpickled as saved
 
     def keys(self) -> set[str]:
         """The model's state-dict keys the checkpoint holds, tied parameters' other names too."""
@@ -200,8 +207,10 @@ class ShardedModelState:
 class ShardedOptimizerState(ShardedModelState):
     """Stands in ``checkpoint["optimizer_states"][index]`` for a sharded checkpoint."""
 
-    def __init__(self, path: Path, layout: dict[str, Any], metadata: Metadata, index: int) -> None:
-        super().__init__(path, layout, metadata)
+    def __init__(
+        self, path: Path, layout: dict[str, Any], metadata: Metadata, index: int, *, trusted: bool = False
+    ) -> None:
+        super().__init__(path, layout, metadata, trusted=trusted)
         self.index = index  # which optimizer
 
     @property
@@ -212,9 +221,10 @@ class ShardedOptimizerState(ShardedModelState):
         return f"ShardedOptimizerState({str(self.path)!r}, optimizer={self.index})"
 
 
-def inspect_sharded(path: Path) -> tuple[dict[str, Any], Metadata]:
+def inspect_sharded(path: Path, *, trusted: bool = False) -> tuple[dict[str, Any], Metadata]:
     """``meta.pt``'s entries and DCP's metadata of a sharded checkpoint, after checking that every
-    file it needs is there and long enough; otherwise a CheckpointError naming what is missing."""
+    file it needs is there and long enough; otherwise a CheckpointError naming what is missing.
+    Nothing of either file runs unless ``trusted`` (``meta.pt`` only; see [Note: what loading runs])."""
     for name, why in ((DCP_METADATA_FILE, "DCP's index of the shards"), (META_FILE, "rank 0's entries")):
         if not (path / name).is_file():
             raise CheckpointError(
@@ -222,7 +232,7 @@ def inspect_sharded(path: Path) -> tuple[dict[str, Any], Metadata]:
                 "not finish leaves no checkpoint under its final name; was this directory copied in part?"
             )
     verify_zip_records(path / META_FILE, only_pickle=False)  # small: every record's CRC
-    meta = _load_meta(path / META_FILE)
+    meta = _load_meta(path / META_FILE, trusted)
     layout = meta.get(LAYOUT_KEY) if isinstance(meta, Mapping) else None
     if not isinstance(layout, Mapping) or layout.get("format") != FORMAT:
         raise CheckpointError(
@@ -233,17 +243,16 @@ def inspect_sharded(path: Path) -> tuple[dict[str, Any], Metadata]:
         raise CheckpointError(
             f"{path} has layout version {layout['version']}; this lightning_zero reads up to {FORMAT_VERSION}"
         )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:
-        raise CheckpointError(f"cannot read {path / DCP_METADATA_FILE}: {type(err).__name__}: {err}") from err
+    metadata = read_dcp_metadata(path)
     _check_storage(path, metadata)
     return dict(meta), metadata
 
 
-def _load_meta(path: Path) -> Any:
+def _load_meta(path: Path, trusted: bool) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_pickled(path, where=path, trusted=trusted)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(
             f"cannot read {path} ({_size(path)}): truncated or corrupt ({type(err).__name__}: {err})"
@@ -267,5 +276,17 @@ def _check_storage(path: Path, metadata: Metadata) -> None:
             raise CheckpointError(f"{file} is truncated: {size} bytes, its chunks end at byte {end} ({held})")
 
 
-def _reader(path: Path) -> FileSystemReader:
-    return FileSystemReader(str(path))
+def _load_items(
+    comm: Communicator, dest: dict[str, Any], st: ShardedModelState, *, name: str, local: bool = False
+) -> None:
+    """DCP's load of ``dest`` from ``st``'s checkpoint: its reader given the metadata as checked, its
+    objects unpickled through the allow-list; an object refused on any rank raised as itself on every
+    rank (DCP gathers the failures into its CheckpointException)."""
+    reader, planner = CheckedReader(st.path, st.metadata), _LoadPlanner(st.path, trusted=st.trusted)
+    try:
+        comm.load_checkpoint_items(dest, reader, planner, name=name, local=local)
+    except CheckpointException as err:
+        refused = [e for e, _ in err.failures.values() if isinstance(e, UnsafeCheckpointError)]
+        if not refused:
+            raise
+        raise UnsafeCheckpointError(str(refused[0])) from err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from lightning_zero.checkpoint.format import (
     _destination,
     _hyper,
     _is_per_element,
-    _LoadPlanner,
     _optimizer_prefix,
     _unbox,
 )
@@ -33,7 +31,7 @@ from lightning_zero.checkpoint.layout import (
     _names,
     _slots,
 )
-from lightning_zero.checkpoint.sharded import ShardedModelState, ShardedOptimizerState, _reader
+from lightning_zero.checkpoint.sharded import ShardedModelState, ShardedOptimizerState, _load_items
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.flat_param import original_indices
 
@@ -64,7 +62,7 @@ def _load_sharded_model(
             dest[fqn] = slot.piece
         elif slot.whole is not None:
             dest[fqn] = slot.whole.view(-1)
-    comm.load_checkpoint_items(dest, _reader(st.path), _LoadPlanner(), name="checkpoint/load/model")
+    _load_items(comm, dest, st, name="checkpoint/load/model")
     values = {}
     for key, (fqn, value) in rest.items():
         loaded = _unbox(dest[fqn])
@@ -89,7 +87,7 @@ def load_sharded_optimizer(
         for group, saved in zip(optimizer.param_groups, st.param_groups):
             group.update(_hyper(saved))
         return
-    named = _read_named_state(comm, st.path, st.layout, st.metadata, index, local=False)
+    named = _read_named_state(comm, st, index, local=False)
     ids = original_indices(groups)
     state = {ids[id(p)]: named[names[id(p)]] for params in groups for p in params if names[id(p)] in named}
     param_groups = [
@@ -132,17 +130,15 @@ def _state_index(metadata: Metadata, index: int, names: list[str]) -> dict[str, 
 
 
 def _read_named_state(
-    comm: Communicator, path: Path, layout: dict, metadata: Metadata, index: dict, *, local: bool
+    comm: Communicator, st: ShardedModelState, index: dict, *, local: bool
 ) -> dict[str, dict[str, Any]]:
     """Whole states by parameter name, per-element ones in the parameter's shape (CPU)."""
-    mds = metadata.state_dict_metadata
+    mds = st.metadata.state_dict_metadata
     dest = {fqn: _destination(mds[fqn]) for entries in index.values() for fqn in entries.values()}
-    comm.load_checkpoint_items(
-        dest, _reader(path), _LoadPlanner(), name="checkpoint/load/optimizer", local=local
-    )
+    _load_items(comm, dest, st, name="checkpoint/load/optimizer", local=local)
     out: dict[str, dict[str, Any]] = {}
     for name, entries in index.items():
-        shape = layout["shapes"][name]
+        shape = st.layout["shapes"][name]
         out[name] = {
             sname: dest[fqn].view(shape) if _is_per_element(mds[fqn]) else _unbox(dest[fqn])
             for sname, fqn in entries.items()
@@ -160,9 +156,7 @@ def _load_sub_shards(
             entries = index.get(names[id(flat.params[i])], {})
             if entries:
                 builders.append((sub, _plan_sub_shard(flat, i, sub, entries, st.metadata, dest)))
-    comm.load_checkpoint_items(
-        dest, _reader(st.path), _LoadPlanner(), name=f"checkpoint/load/optimizer={st.index}"
-    )
+    _load_items(comm, dest, st, name=f"checkpoint/load/optimizer={st.index}")
     for sub, build in builders:
         optimizer.state[sub] = build()
 

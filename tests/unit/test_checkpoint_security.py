@@ -1,0 +1,224 @@
+"""Nothing in a checkpoint runs when it is loaded, and every publishing rename is made durable.
+
+Each crafted file carries a :class:`Payload`, a pickle that calls ``builtins.exec`` to create a
+marker file. Every test first shows that a plain unpickling of that file does run it (so the file
+is live), then that our loading refuses it, naming the file and the global, and runs nothing.
+Before: an object planted in a sharded checkpoint's ``meta.pt`` ran on every rank at resume and
+in ``consolidate``, one planted in DCP's ``.metadata`` before its checksum was checked.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_zero import checkpoint as C
+from lightning_zero.checkpoint import integrity
+from lightning_zero.checkpoint.dcp_metadata import read_dcp_metadata
+from lightning_zero.cli import main
+from lightning_zero.comm import Communicator
+from tests.unit.test_checkpoint import _save_sharded, _trained
+
+IO = TorchCheckpointIO()
+REFUSED = "builtins.exec"  # the global every payload names
+
+
+class Payload:
+    """Unpickles as ``exec(<create marker>)``: code a checkpoint would run when loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _live(marker: Path, load) -> None:
+    """``load`` (an unguarded unpickling of the crafted file) runs the payload; the marker is reset."""
+    load()
+    assert marker.exists(), "the crafted file does not run its payload: the test would prove nothing"
+    marker.unlink()
+
+
+def _refused(marker: Path, file: Path, load) -> C.UnsafeCheckpointError:
+    with pytest.raises(C.UnsafeCheckpointError) as caught:
+        load()
+    assert not marker.exists()
+    assert str(file) in str(caught.value) and REFUSED in str(caught.value), str(caught.value)
+    return caught.value
+
+
+def _plant_in_meta(path: Path, marker: Path) -> Path:
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    meta["hyper_parameters"] = {"lr": 0.1, "note": Payload(marker)}
+    torch.save(meta, path / "meta.pt")  # its zip checksums match: only the allow-list stands in the way
+    return path / "meta.pt"
+
+
+def test_an_object_planted_in_a_full_file_is_refused_and_not_fallen_back_from(tmp_path):
+    marker, path = tmp_path / "ran", tmp_path / "last.ckpt"
+    model, _ = _trained()
+    C.save_full({"global_step": 1, "state_dict": model.state_dict()}, str(path), Communicator(), IO)
+    C.save_full(
+        {"global_step": 2, "state_dict": model.state_dict(), "x": Payload(marker)},
+        str(path),
+        Communicator(),
+        IO,
+    )
+    assert (tmp_path / ".last.ckpt.previous").is_file()  # an intact previous version is there
+    _live(marker, lambda: torch.load(path, weights_only=False))
+    error = _refused(marker, path, lambda: C.read(path, IO))
+    assert "weights_only=False" in str(error)  # what to do if the file is trusted
+    _refused(marker, path, lambda: C.read_or_fallback(path, IO))  # not damage: no silent fall-back
+    _refused(marker, path, lambda: C.read(f"file://{path}", IO))  # a URL: Lightning's default there is unsafe
+    assert C.read(path, IO, weights_only=False)["global_step"] == 2  # the caller's explicit trust
+    assert marker.exists()
+
+
+def test_an_object_planted_in_meta_pt_is_refused_by_read_and_consolidate(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    path = _save_sharded(tmp_path / "a.ckpt", *_trained())
+    meta = _plant_in_meta(path, marker)
+    _live(marker, lambda: torch.load(meta, weights_only=False))
+    _refused(marker, meta, lambda: C.read(path, IO))
+    _refused(marker, meta, lambda: C.inspect_sharded(path))
+    _refused(marker, meta, lambda: C.consolidate(path, tmp_path / "out.ckpt"))
+    assert main(["consolidate", str(path), str(tmp_path / "out.ckpt")]) == 2
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    err = capsys.readouterr().err
+    assert f"{meta} holds an object" in err and REFUSED in err
+    assert main(["consolidate", str(path), str(tmp_path / "out.ckpt"), "--trusted"]) == 0
+    assert marker.exists()  # --trusted: loaded as saved, as asked
+
+
+def test_an_object_planted_in_dcp_metadata_is_refused_before_its_checksum_is_checked(tmp_path):
+    marker = tmp_path / "ran"
+    path = _save_sharded(tmp_path / "a.ckpt", *_trained())
+    metadata = read_dcp_metadata(path)
+    metadata.planner_data = Payload(marker)  # deep inside an otherwise valid index
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _live(marker, lambda: FileSystemReader(str(path)).read_metadata())  # DCP's own reader runs it
+    file = path / ".metadata"
+    _refused(marker, file, lambda: C.read(path, IO))  # not "damaged": refused before the checksum is read
+    _refused(marker, file, lambda: C.read(path, IO, weights_only=False))  # .metadata: never trusted
+    _refused(marker, file, lambda: C.consolidate(path, tmp_path / "out.ckpt"))
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))  # the whole file a payload
+    _refused(marker, file, lambda: C.read(path, IO))
+
+
+def _optimizer_with_object(value) -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
+    """A trained model whose first parameter's optimizer state holds ``value`` (saved as pickled bytes)."""
+    model, optimizer = _trained()
+    name, param = next(iter(model.named_parameters()))
+    optimizer.state[param]["note"] = value
+    return model, optimizer, name
+
+
+def test_an_object_in_a_shard_loads_only_from_the_allow_list(tmp_path):
+    marker = tmp_path / "ran"
+    model, optimizer, name = _optimizer_with_object({"scale": 1.5, "counts": [1, 2]})
+    plain = _save_sharded(tmp_path / "plain.ckpt", model, optimizer)
+    fresh, fresh_opt = _trained(seed=11)
+    state = C.read(plain, IO)["optimizer_states"][0]
+    C.load_sharded_optimizer(fresh, None, Communicator(), fresh_opt, state)
+    first = next(iter(fresh.parameters()))
+    assert fresh_opt.state[first]["note"] == {"scale": 1.5, "counts": [1, 2]}  # plain objects load as saved
+
+    model, optimizer, name = _optimizer_with_object(Payload(marker))
+    path = _save_sharded(tmp_path / "a.ckpt", model, optimizer)  # our own writing: every checksum matches
+    shard, fqn = path / "__0_0.distcp", f"optim.0.{name}.note"
+    _live(marker, lambda: _unpickle_chunk(path, fqn))  # as DCP's default planner does
+    state = C.read(path, IO)["optimizer_states"][0]  # meta.pt and .metadata are clean
+    load = lambda: C.load_sharded_optimizer(fresh, None, Communicator(), fresh_opt, state)  # noqa: E731
+    assert fqn in str(_refused(marker, shard, load))
+    _refused(marker, shard, lambda: C.consolidate(path, tmp_path / "out.ckpt"))
+
+
+def _unpickle_chunk(path: Path, fqn: str) -> object:
+    _, metadata = C.inspect_sharded(path)
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+    with open(path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        return torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+
+
+def test_naming_a_damaged_record_reads_the_pickle_without_running_it(tmp_path):
+    """The integrity check reads a full file's pickle for the name of a damaged tensor: structure only."""
+    marker, path = tmp_path / "ran", tmp_path / "f.ckpt"
+    weight = torch.arange(6.0)
+    torch.save({"state_dict": {"net.weight": weight}, "x": Payload(marker)}, path)
+    _live(marker, lambda: torch.load(path, weights_only=False))
+    with zipfile.ZipFile(path) as archive:
+        record = next(
+            i.filename
+            for i in archive.infolist()
+            if "/data/" in i.filename and not i.filename.endswith(".pkl")
+        )
+        assert integrity._tensor_of(archive, record) == "state_dict/net.weight"
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- durability
+
+
+@pytest.fixture
+def synced(monkeypatch) -> list[tuple[str, object]]:
+    """Renames (their destination) and fsyncs (a directory's inode, or None for a file), in order."""
+    events: list[tuple[str, object]] = []
+    fsync, rename, replace = os.fsync, os.rename, os.replace
+
+    def record_fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", st.st_ino if stat.S_ISDIR(st.st_mode) else None))
+        fsync(fd)
+
+    def record(real):
+        def move(src, dst, *args, **kwargs):
+            real(src, dst, *args, **kwargs)
+            events.append(("rename", Path(dst)))
+
+        return move
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "rename", record(rename))
+    monkeypatch.setattr(os, "replace", record(replace))
+    return events
+
+
+def _synced_after_publishing(events: list, path: Path) -> bool:
+    """The folder of ``path`` was fsynced after the last rename that put something at ``path``."""
+    last = max(i for i, (kind, what) in enumerate(events) if kind == "rename" and what == path)
+    return ("fsync", path.parent.stat().st_ino) in events[last + 1 :]
+
+
+def test_a_full_save_fsyncs_its_folder_after_the_rename(tmp_path, synced):
+    path = tmp_path / "last.ckpt"
+    model, _ = _trained()
+    for step in (1, 2):  # a new name, then over the previous file
+        synced.clear()
+        C.save_full({"global_step": step, "state_dict": model.state_dict()}, str(path), Communicator(), IO)
+        assert _synced_after_publishing(synced, path), synced
+        assert ("fsync", None) in synced[: synced.index(("rename", path))]  # the file itself, before
+
+
+def test_a_sharded_save_and_consolidate_fsync_their_folder_after_the_rename(tmp_path, synced):
+    path = tmp_path / "last.ckpt"
+    for _ in range(2):  # a new name, then replacing the previous directory
+        synced.clear()
+        _save_sharded(path, *_trained())
+        assert _synced_after_publishing(synced, path), synced
+        partial_synced = ("fsync", path.stat().st_ino)  # the directory's inode survives its rename
+        assert partial_synced in synced[: synced.index(("rename", path))]  # its entries, before
+    synced.clear()
+    C.consolidate(path, tmp_path / "full.ckpt")
+    assert _synced_after_publishing(synced, tmp_path / "full.ckpt"), synced
