@@ -35,13 +35,14 @@ import lightning
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_zero.checkpoint.full import FABRIC_RECORD, USER_KEYS
+from lightning_zero.checkpoint.integrity import INTEGRITY_KEY
 
 MODEL = "state_dict"  # the Trainer's key of the model state
 OPTIMIZERS = "optimizer_states"  # ... of the optimizers' states, a list
 SCHEDULERS = "lr_schedulers"  # ... of the LR schedulers' states, a list
 VERSION = "pytorch-lightning_version"  # the Trainer reads it before anything else
 ROLES = FABRIC_RECORD  # the user's keys of the entries above (a Fabric save)
-RESERVED = (MODEL, OPTIMIZERS, SCHEDULERS, VERSION, ROLES)  # not available as the user's own keys
+RESERVED = (MODEL, OPTIMIZERS, SCHEDULERS, VERSION, ROLES, INTEGRITY_KEY)  # not available as the user's keys
 
 
 class Roles(NamedTuple):
@@ -72,8 +73,9 @@ def check_user_keys(state: Mapping[str, Any], roles: Roles, precision_key: str |
     clash = sorted((set(state) - roles.keys()) & taken)
     if clash:
         raise KeyError(
-            f"state key(s) {clash} are where a Lightning checkpoint keeps the model, optimizers, LR schedulers "
-            "or precision state (see [Note: Fabric state keys]): rename them in the dict passed to fabric.save"
+            f"state key(s) {clash} are where a Lightning checkpoint keeps the model, optimizers, LR schedulers, "
+            "precision state or checksums (see [Note: Fabric state keys]): rename them in the dict passed to "
+            "fabric.save"
         )
 
 
