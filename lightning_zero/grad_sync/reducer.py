@@ -44,6 +44,38 @@ Stage 0 hands the reduced bucket slots themselves to the fp32 master gradients
 Inside ``no_sync()`` the hooks only keep ``.grad`` in bucket storage and note which parameters
 were used; no collective runs. The first synchronised backward after the window then reduces the
 accumulated sum, because the slots were never cleared in between.
+
+[Note: late gradients]
+A parameter's hook normally fires once per backward, when its gradient is complete. Under reentrant
+activation checkpointing (``use_reentrant=True``) a parameter that the checkpointed function uses
+without taking it as an input (captured by the closure, ``block(x) * self.gain``) is accumulated by
+every nested backward that recomputes it, and its hook fires each time: its gradient is complete
+only at the end of the outermost backward. Such a parameter is *late*: its bucket is *held*, sent
+only at the end of the outermost backward (the buckets after it, in plan order, wait with it), and
+nothing is ever added into a bucket whose collective is in flight. The reducer learns which
+parameters are late from the first synchronised backward: stages 0 and 1 send nothing before its end
+(their buckets are persistent, so this costs one step's overlap and no memory; stage 0 then rebuilds
+its plan with the late parameters last); stage 2, whose memory bound forbids holding every bucket,
+sends as usual and keeps a gradient that arrives after its bucket was sent aside, in its own
+tensor; at the end every rank learns the others' such buckets (one control collective, in that
+backward only) and reduce-scatters the set-aside gradients of those buckets, added into the shard
+gradients. A parameter first seen late in a later backward (the graph changed) is held from then on;
+if its bucket had already been sent, this backward's gradients cannot be made right (stages 0-1:
+autograd wrote into the bucket being reduced), so it raises ``LateGradientError`` naming it, after
+every collective completed.
+
+[Note: a backward that raised]
+A backward that raises (an error inside it, caught by the user, training going on) never reaches
+its wrap-up (see the note of that name in backward.py). The reducer notices at the next training
+forward, before the next backward (Lightning's ``pre_backward``) or at the next gradient hook,
+whichever comes first, and aborts: it waits for every collective the failed backward sent (every
+rank raised at the same place, so they match), discards their results and resets its per-backward
+state, so the next backward is a fresh one. What the failed backward accumulated is a partial
+gradient, as in plain PyTorch: stage 0 leaves it in ``.grad`` (buckets already sent hold their
+average over ranks) for the user's ``zero_grad``; stages 1-2 drop what their buckets hold (the
+parameters' ``.grad`` are bucket views no optimizer sees), while the shard gradients keep what was
+handed on before, which the optimizer's ``zero_grad`` clears. Parameters marked used only by the
+failed backward are unmarked (``find_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -86,6 +118,10 @@ class UnusedParametersError(RuntimeError):
     """A parameter that requires grad got no gradient in a synchronised backward."""
 
 
+class LateGradientError(RuntimeError):
+    """A parameter got more gradient after its bucket was sent (see [Note: late gradients])."""
+
+
 if TYPE_CHECKING:
     from lightning_zero.zero.flat_param import FlatParameter
 
@@ -107,6 +143,7 @@ class Bucket:
         self.persistent = persistent  # storage kept between steps (stages 0-1)
         self.stale = False  # stage 1: holds a reduce-scatter's leftovers; zero before the next addition
         self.handed_on = False  # its reduced shard went into the shard gradient in this backward
+        self.held = False  # holds a late parameter: sent at the end of backward ([Note: late gradients])
         if persistent:
             self.allocate()
 
@@ -205,7 +242,13 @@ class GradReducer:
         self._in_flight: deque[Bucket] = deque()  # stage 2: launched buckets not yet handed on, oldest first
         self.buffer_meter = GatherMeter()  # stage 2: bytes of bucket storage allocated, now and at most
         self.grad_copies = 0  # gradients copied or added into a bucket (not accumulated there by autograd)
-        self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
+        self._late = [False] * len(self.params)  # complete only at the end ([Note: late gradients])
+        self._learning = True  # no synchronised backward has reached its end yet
+        self._set_aside: dict[int, Tensor] = {}  # stage 2: index -> gradient come after its bucket was sent
+        self._late_after_send: list[int] = []  # indices accumulated again after their bucket was sent
+        self._used_before: list[bool] = list(self._used)  # _used when this synchronised backward began
+        # the wrap-up, once per outermost backward; told when a backward raised
+        self._end = EndOfBackward(self._finalize, on_raise=self._on_raise)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._build(self._plan())
 
@@ -232,6 +275,8 @@ class GradReducer:
             for i, s in enumerate(specs)
         ]
         self._slot = {j: (b, k) for b in self.buckets for k, j in enumerate(b.spec.params)}
+        for bucket in self.buckets:
+            bucket.held = any(self._late[j] for j in bucket.spec.params)
         for i, grad in held.items():
             bucket, k = self._slot[i]
             bucket.views[k].copy_(grad)
@@ -306,7 +351,10 @@ class GradReducer:
         """Point every ``.grad`` at its bucket slot, so that autograd accumulates into the bucket with
         no second copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its
         gradients were cleared, as ``zero_grad`` leaves them), a replaced one copied in. Called again
-        right before backward, after Lightning's ``zero_grad`` (which runs between forward and backward)."""
+        right before backward, after Lightning's ``zero_grad`` (which runs between forward and backward).
+        No backward is running here: one that raised is noticed (see [Note: a backward that raised])."""
+        if self._end.raised(idle=True):
+            self._abort()
         if not self.attach_views:
             return
         for bucket in self.buckets:
@@ -335,21 +383,47 @@ class GradReducer:
 
     def _on_grad_ready(self, param: Tensor) -> None:
         i = self._index[id(param)]
+        if self._end.raised():  # the last backward raised (see [Note: a backward that raised])
+            self._abort(in_backward=True)
+        if self.sync_enabled:
+            if not self._end.queued:  # the first gradient of this backward
+                self._used_before = list(self._used)
+            self._end.note()
+            if self._ready[i]:
+                self._ready_again(i, param)
+                return
         self._store_grad(i, param)
         self._used[i] = True
         if not self.sync_enabled:
             return
-        self._end.note()
-        if self._ready[i]:
-            raise RuntimeError(
-                f"parameter {self.names[i]!r} became ready twice in one synchronised backward; "
-                "a parameter's gradient must be accumulated once per backward pass"
-            )
         self._ready[i] = True
         if not self._rebuilt and self.stage == 0:  # only stage 0 rebuilds; elsewhere it would grow forever
             self._ready_order.append(i)
         self._slot[i][0].pending -= 1
         self._launch_ready_buckets()
+
+    def _ready_again(self, i: int, param: Tensor) -> None:
+        """Parameter ``i`` was accumulated again in this backward: it is late, its bucket held from now
+        on (see [Note: late gradients]); what arrived is added to its slot, or set aside if its bucket
+        was already sent."""
+        self._late[i] = True
+        bucket, k = self._slot[i]
+        bucket.held = True
+        if bucket.handle is None:  # not sent yet: it goes out at the end of backward
+            self._store_grad(i, param)
+            return
+        if self.attach_views or not self._learning:
+            # autograd wrote into the bucket being reduced, or no other rank would reduce it set aside
+            self._late_after_send.append(i)
+            if not self.attach_views:
+                param.grad = None
+            return
+        grad = param.grad.to(bucket.spec.dtype)
+        param.grad = None
+        if i in self._set_aside:
+            self._set_aside[i].add_(grad)
+        else:
+            self._set_aside[i] = grad
 
     def _store_grad(self, i: int, param: Tensor) -> None:
         """Make bucket storage hold the gradient (see [Note: gradient storage])."""
@@ -380,8 +454,15 @@ class GradReducer:
         self._window_used[i] = False
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            self._launch(self.buckets[self._next_launch])
+        """Send every complete bucket in plan order, up to the first one not complete or held (see
+        [Note: late gradients]: while learning, stages 0-1 hold every bucket)."""
+        if self._learning and self.stage <= 1:
+            return
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending or bucket.held:
+                return
+            self._launch(bucket)
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
@@ -411,11 +492,14 @@ class GradReducer:
         bucket.release()
         bucket.handed_on = True
 
-    def _deliver_shards(self, used: list[bool] | None) -> None:
-        """Hand on every bucket's reduced shard; parameters no rank used keep no gradient."""
+    def _deliver_shards(self, used: list[bool] | None, set_aside: set[int]) -> None:
+        """Hand on every bucket's reduced shard, and the reduced gradients set aside for the buckets in
+        ``set_aside``; parameters no rank used keep no gradient."""
         for bucket in self.buckets:
             if not bucket.handed_on:
                 self._hand_on(bucket)
+            if bucket.index in set_aside:
+                self._reduce_set_aside(bucket)
             if used is not None:
                 self.spaces[bucket.index].drop_unused([used[j] for j in bucket.spec.params])
         self._in_flight.clear()
@@ -429,6 +513,8 @@ class GradReducer:
         for bucket in self.buckets[self._next_launch :]:
             self._launch(bucket)
         used_map = self._launch_used_map() if self.find_unused_parameters else None
+        set_aside = self._agree_set_aside() if self._learning and self.stage == 2 else set()
+        self._learning = False
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
@@ -436,8 +522,12 @@ class GradReducer:
             self._reset_backward_state()
             raise UnusedParametersError(self._unused_message(missing))
         used = self._globally_used(used_map) if used_map is not None else None
+        if self._late_after_send:
+            message = self._late_message(self._late_after_send)
+            self._abort()
+            raise LateGradientError(message)
         if self.stage >= 1:
-            self._deliver_shards(used)
+            self._deliver_shards(used, set_aside)
         else:
             self._drop_unused(used)
         if self.on_reduced is not None:
@@ -447,6 +537,28 @@ class GradReducer:
         self._reset_backward_state()
         self._used = [False] * len(self.params)
         self._zeroed = [False] * len(self.params)
+
+    def _agree_set_aside(self) -> set[int]:
+        """Stage 2, first backward: the buckets for which some rank set a late gradient aside (one
+        control collective; see [Note: late gradients])."""
+        mine = sorted({self._slot[i][0].index for i in self._set_aside})
+        every = self.comm.all_gather_object(mine, name=f"{self.label}/late_gradients")
+        return {b for buckets in every for b in buckets}
+
+    def _reduce_set_aside(self, bucket: Bucket) -> None:
+        """Reduce-scatter the gradients set aside for ``bucket`` (zeros where this rank has none) and
+        add this rank's shard into the shard gradient, after the bucket's own."""
+        flat = torch.zeros(bucket.spec.padded_numel, dtype=bucket.spec.dtype, device=bucket.spec.device)
+        for j, offset in zip(bucket.spec.params, bucket.spec.offsets):
+            if j in self._set_aside:
+                flat[offset : offset + self.params[j].numel()].copy_(self._set_aside.pop(j).reshape(-1))
+        flat.div_(self.comm.world_size)
+        shard = torch.empty(flat.numel() // self.comm.world_size, dtype=flat.dtype, device=flat.device)
+        name = f"{self.label}/reduce_scatter/bucket={bucket.index}/late"
+        self.comm.reduce_scatter(shard, flat, name=name).wait()
+        space = self.spaces[bucket.index]
+        space.keep_grad()
+        space.grad.add_(shard)
 
     def _prepare_missing(self, missing: list[int]) -> None:
         """Slots of parameters that got no gradient are reduced as they are: zeros, or the window's sum."""
@@ -466,6 +578,36 @@ class GradReducer:
             bucket.reset()
         self._ready = [False] * len(self.params)
         self._next_launch = 0
+        self._set_aside = {}
+        self._late_after_send = []
+
+    # -- a backward that raised ([Note: a backward that raised]) ---------------------------------
+
+    def _on_raise(self) -> None:
+        """Told inside autograd's unwinding: stages 1-2 unhook the gradients from their bucket views
+        at once, so that a next backward (before any forward) accumulates afresh. No collective here."""
+        if self.stage >= 1 and self.attach_views:
+            for p in self.params:
+                p.grad = None
+
+    def _abort(self, *, in_backward: bool = False) -> None:
+        """The last synchronised backward raised: finish what it sent, drop the results, start afresh.
+        ``in_backward``: called from the first hook of the next backward, after ``_on_raise`` (so the
+        gradient autograd just accumulated is this backward's: it stays)."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()  # every rank raised at the same place: the collectives match
+        if self.stage >= 1:
+            if not in_backward:
+                self._on_raise()
+            for bucket in self.buckets:
+                if bucket.flat is not None and not bucket.persistent:
+                    self.buffer_meter.add(-bucket.flat.numel() * bucket.flat.element_size())
+                if bucket.flat is not None:
+                    bucket.release()
+        self._reset_backward_state()
+        self._used = list(self._used_before)
+        self._zeroed = [False] * len(self.params)
 
     def _launch_used_map(self) -> tuple[Tensor, Handle]:
         device = self.params[0].device
@@ -495,13 +637,23 @@ class GradReducer:
         """Rebuild the plan once, in the ready order rank 0 observed (see [Note: bucket order])."""
         self._rebuilt = True
         device = self.params[0].device
-        order = self.comm.broadcast_object(
-            self._ready_order, name=f"{self.label}/bucket_order", device=device
-        )
+        late = [i for i in self._ready_order if self._late[i]]  # complete only at the end: sent last
+        mine = [i for i in self._ready_order if not self._late[i]] + late
+        order = self.comm.broadcast_object(mine, name=f"{self.label}/bucket_order", device=device)
         self._ready_order = []
         specs = self._plan(order)
         if specs != self.bucket_specs():
             self._build(specs)
+
+    def _late_message(self, late: list[int]) -> str:
+        names = ", ".join(dict.fromkeys(self.names[i] for i in late))
+        return (
+            f"parameter(s) {names} got more gradient after their bucket was sent in this backward: their "
+            "hook fired again, as under reentrant activation checkpointing (use_reentrant=True) of a function "
+            "that uses them without taking them as inputs, in a backward whose graph differs from the first "
+            "step's. This backward's gradients are wrong; their buckets are held for the end of backward from "
+            "now on. Call zero_grad and run the step again, or checkpoint with use_reentrant=False."
+        )
 
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self.names[i] for i in missing[:20])
