@@ -81,10 +81,8 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome) -> list[str]:
             out.append(f"{name}: rank {r}'s on_save_checkpoint saw another state_dict than the reference's")
     if reference.saved is not None:
         saved = first.saved or {}
-        for key in ("state_dict", "export"):
-            if key not in saved or _diff(saved[key], reference.saved[key]) > (
-                TOL if key == "state_dict" else 1e-2
-            ):
+        for key, want in reference.saved.items():
+            if key not in saved or _diff(saved[key], want) > (1e-2 if key == "export" else TOL):
                 out.append(f"{name}: the saved file's {key!r} differs from the reference's")
     return out
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -46,6 +47,7 @@ class Program(NamedTuple):
     ema: bool = False  # a callback keeping an EMA of every parameter and logging their norms
     save_hook: bool = False  # on_save_checkpoint casts a copy of checkpoint["state_dict"] to half
     backward_error: bool = False  # manual: the first backward raises inside, is caught, training goes on
+    lightning_callbacks: bool = False  # Lightning's own: ModelSummary, EMAWeightAveraging, ModelCheckpoint
 
     @property
     def name(self) -> str:
@@ -228,6 +230,12 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
     model = ProgramModule(program, per_rank=BATCH if stage is not None else BATCH * WORLD)
     reader = ReadsParameters()
     automatic = not program.manual
+    callbacks: list[Callback] = [reader] if program.ema else []
+    if program.lightning_callbacks:
+        callbacks += [
+            EMAWeightAveraging(decay=0.7),
+            ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_last=True),
+        ]
     trainer = Trainer(
         strategy=strategy_for(program, stage) if stage is not None else "auto",
         accelerator="cpu",
@@ -235,16 +243,16 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
         max_epochs=1,
         accumulate_grad_batches=program.accumulate if automatic else 1,
         gradient_clip_val=program.clip if automatic else None,
-        callbacks=[reader] if program.ema else [],
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=program.lightning_callbacks,
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=program.lightning_callbacks,
         default_root_dir=root,
     )
     try:
         trainer.fit(model)
-        saved = _save_after_fit(trainer, root) if program.save_hook else None
+        saved = _save_after_fit(trainer, root) if program.save_hook or program.lightning_callbacks else None
         params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     except Exception as err:  # noqa: BLE001  (the test reports it)
         return Outcome(
@@ -260,4 +268,5 @@ def _save_after_fit(trainer: Trainer, root: str) -> dict | None:
     if trainer.global_rank != 0:
         return None
     saved = torch.load(path, weights_only=True)
-    return {key: {k: v.float() for k, v in saved[key].items()} for key in ("state_dict", "export")}
+    keys = ("state_dict", "export", "current_model_state")
+    return {key: {k: v.float() for k, v in saved[key].items()} for key in keys if key in saved}

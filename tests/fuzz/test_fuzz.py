@@ -5,7 +5,8 @@ across units), a block called twice, keyword-argument calls, a frozen weight wit
 adapter in one unit, both kinds of activation checkpointing (with a captured root parameter),
 unused branches, manual optimization with 1-3 steps per batch returning the loss, penalties over
 ``self.parameters()``, callbacks reading and copying parameters, ``on_save_checkpoint`` edits, and
-an error raised and caught inside backward. Each program fits at every stage and once with plain
+an error raised and caught inside backward, and Lightning's own callbacks (ModelSummary,
+EMAWeightAveraging, ModelCheckpoint). Each program fits at every stage and once with plain
 Lightning in one process; ``check.problems`` lists what differs.
 
 The default suite runs a fixed corpus (derandomized, one batch of programs in one pair of
@@ -48,6 +49,7 @@ def programs(draw: st.DrawFn) -> Program:
         ema=draw(st.booleans()),
         save_hook=draw(st.booleans()),
         backward_error=backward_error,
+        lightning_callbacks=draw(st.booleans()),
     )
 
 
