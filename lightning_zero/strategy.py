@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
+from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.comm import CommLedger, Communicator, is_distributed
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
@@ -127,6 +128,7 @@ class ZeroStrategy(DDPStrategy):
         self._failed = False  # fit ended in a failure: teardown runs no collective (faults.py)
         self._watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
         self._boundary: StepBoundary | None = None  # signals and data agreed per batch (signals.py)
+        self._handed: dict[str, Any] | None = None  # the state dict the checkpoint hooks were given
         self._guard: NonFiniteGuard | None = (
             None  # nonfinite_grads skip/stop, agreed by every rank (guard.py)
         )
@@ -371,14 +373,18 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The checkpoint's model state under the original names. Full form: parameters that live in
-        shards (stage 3; the fp32 masters of stages 1-2) as stand-ins that ``save_checkpoint`` writes
-        while it gathers them (see [Note: streamed full checkpoints]; for values use
-        :meth:`full_state_dict`). Sharded form: this rank's slices (see the ``checkpoint`` package)."""
+        """The checkpoint's model state under the original names, as tensors in both forms:
+        parameters that live in shards (stage 3; the fp32 masters of stages 1-2) as Streamed tensors
+        that ``save_checkpoint`` writes while it gathers them and that gather when a hook computes
+        with them (see [Note: streamed full checkpoints]). A sharded save then writes this rank's
+        slices of what the hooks left ([Note: hooks see tensors] in ``checkpoint/hooks.py``)."""
         assert self.lightning_module is not None
         engine = self._state_engine
-        if self._config.state_dict_type == "sharded":
-            return checkpoints.sharded_model_state(self.lightning_module, engine)
+        state = self._full_form_state(engine)  # in both forms: see [Note: hooks see tensors]
+        self._handed = dict(state)  # the values handed out (hooks may replace them in the dict itself)
+        return state
+
+    def _full_form_state(self, engine: Engine | None) -> dict[str, Any]:
         if engine is not None and engine.streams_values:
             return checkpoints.streamed_model_state(self.lightning_module, engine)
         if self._engine is None:
@@ -417,6 +423,9 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
         module, stage = self.lightning_module, self._config.stage
+        if "state_dict" in checkpoint and self._handed is not None:
+            to_sharded_state(checkpoint, self._handed, module, self._state_engine)
+            self._handed = None
         layout = checkpoints.layout_of(module, self._state_engine, stage, self.comm.world_size)
         checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout, keep_previous=keep)
 

@@ -48,6 +48,9 @@ class Program(NamedTuple):
     save_hook: bool = False  # on_save_checkpoint casts a copy of checkpoint["state_dict"] to half
     backward_error: bool = False  # manual: the first backward raises inside, is caught, training goes on
     lightning_callbacks: bool = False  # Lightning's own: ModelSummary, EMAWeightAveraging, ModelCheckpoint
+    sharded_checkpoint: bool = (
+        False  # state_dict_type="sharded" (the saved directory is consolidated to compare)
+    )
 
     @property
     def name(self) -> str:
@@ -218,6 +221,8 @@ def strategy_for(program: Program, stage: int) -> Any:
     from lightning_zero import ZeroStrategy
 
     options: dict[str, Any] = {"find_unused_parameters": program.unused}
+    if program.sharded_checkpoint:
+        options["state_dict_type"] = "sharded"
     if stage == 3:
         options["wrap_policy"] = "tests.fuzz.program.Block"
     return ZeroStrategy(stage=stage, **options)
@@ -267,6 +272,11 @@ def _save_after_fit(trainer: Trainer, root: str) -> dict | None:
     trainer.save_checkpoint(path)
     if trainer.global_rank != 0:
         return None
+    if os.path.isdir(path):  # the sharded form: compare its consolidated full file
+        from lightning_zero.checkpoint import consolidate
+
+        consolidate(path, path + ".full")
+        path = path + ".full"
     saved = torch.load(path, weights_only=True)
     keys = ("state_dict", "export", "current_model_state")
     return {key: {k: v.float() for k, v in saved[key].items()} for key in keys if key in saved}

@@ -50,6 +50,7 @@ def programs(draw: st.DrawFn) -> Program:
         save_hook=draw(st.booleans()),
         backward_error=backward_error,
         lightning_callbacks=draw(st.booleans()),
+        sharded_checkpoint=draw(st.booleans()),
     )
 
 
