@@ -7,9 +7,11 @@ Fabric's DDP writes: the user's own keys (``{"model": <the model's state dict>, 
 <optimizer.state_dict() of one process>, "iter_num": 3}``), plus :data:`FABRIC_RECORD`, which names
 the keys of the model, the optimizers and the LR schedulers (``"layout": "user keys"``) and the
 Lightning version. Every reader of this package takes the Trainer's layout: :func:`_read_full` maps a
-file of the user's keys onto it (:func:`_as_trainer_layout`, checksum paths included), so the Trainer
+file of the user's keys onto it (:func:`as_trainer_layout`, checksum paths included), so the Trainer
 resumes a Fabric file and Fabric loads either. Fabric files written before this layout hold the
-Trainer's layout with the record (without ``"layout"``) and read as they are.
+Trainer's layout with the record (without ``"layout"``) and read as they are. A file of user keys
+without the record (Fabric's DDP wrote it) is a :class:`UserKeyedCheckpoint` that carries its
+entries: Fabric's strategy reads it with the keys of the state it is asked to load.
 """
 
 from __future__ import annotations
@@ -243,38 +245,50 @@ def _read_full(path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None
             f"torch.save ({type(err).__name__}: {err})"
         ) from err
     if isinstance(checkpoint, Mapping):
-        checkpoint = _as_trainer_layout(checkpoint)
+        checkpoint = as_trainer_layout(checkpoint)
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         found = (
             sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         )
-        raise CheckpointError(
+        message = (
             f"{path} is not a Lightning checkpoint: it has no 'state_dict' entry (found: {found}). A bare "
             "model state dict loads with module.load_state_dict(torch.load(...)), not through the Trainer"
         )
+        if isinstance(checkpoint, Mapping):
+            raise UserKeyedCheckpoint(message, checkpoint)
+        raise CheckpointError(message)
     return checkpoint
 
 
-def _as_trainer_layout(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """A file of the user's keys in the Trainer's layout (see [Note: two layouts of the full file]);
-    any other checkpoint as it is."""
-    record = checkpoint.get(FABRIC_RECORD)
+class UserKeyedCheckpoint(CheckpointError):
+    """A full file of entries under a program's own keys with no record of which is which (what
+    Fabric's DDP writes): only a caller that knows the keys can read it (``entries``, as loaded)."""
+
+    def __init__(self, message: str, entries: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.entries = entries  # the file's dict, as torch.load returned it
+
+
+def as_trainer_layout(
+    checkpoint: Mapping[str, Any], record: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A file of the user's keys in the Trainer's layout (see [Note: two layouts of the full file]),
+    by its own record or by ``record`` (the keys a caller knows); any other checkpoint as it is. An
+    entry the record names but the file lacks stays missing (the reader's checks name it)."""
+    record = record if record is not None else checkpoint.get(FABRIC_RECORD)
     if not isinstance(record, Mapping) or record.get("layout") != USER_KEYS:
         return dict(checkpoint)
-    moves = {record["model"]: "state_dict"}
-    moves |= {key: f"optimizer_states/{i}" for i, key in enumerate(record["optimizers"])}
-    moves |= {key: f"lr_schedulers/{j}" for j, key in enumerate(record["lr_schedulers"])}
-    missing = sorted(k for k in moves if k not in checkpoint)
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint's record names the entries {missing}, which it does not hold: it was changed "
-            "after it was written; load an earlier checkpoint"
-        )
+    moves = {record["model"]: "state_dict"} if record["model"] in checkpoint else {}
+    optimizers = [k for k in record["optimizers"] if k in checkpoint]
+    schedulers = [k for k in record["lr_schedulers"] if k in checkpoint]
+    moves |= {key: f"optimizer_states/{i}" for i, key in enumerate(optimizers)}
+    moves |= {key: f"lr_schedulers/{j}" for j, key in enumerate(schedulers)}
     out = {k: v for k, v in checkpoint.items() if k not in moves}
-    out["state_dict"] = checkpoint[record["model"]]
-    if record["optimizers"]:
-        out["optimizer_states"] = [checkpoint[k] for k in record["optimizers"]]
-    out["lr_schedulers"] = [checkpoint[k] for k in record["lr_schedulers"]]
+    if record["model"] in checkpoint:
+        out["state_dict"] = checkpoint[record["model"]]
+    if optimizers:
+        out["optimizer_states"] = [checkpoint[k] for k in optimizers]
+    out["lr_schedulers"] = [checkpoint[k] for k in schedulers]
     out.setdefault("pytorch-lightning_version", record["lightning"])
     if isinstance(out.get(INTEGRITY_KEY), Mapping):
         out[INTEGRITY_KEY] = _moved_checksums(out[INTEGRITY_KEY], moves)
@@ -282,7 +296,7 @@ def _as_trainer_layout(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _moved_checksums(integrity: Mapping[str, Any], moves: Mapping[str, str]) -> dict[str, Any]:
-    """The checksum record with its tensor paths (``model/w``) where :func:`_as_trainer_layout` put
+    """The checksum record with its tensor paths (``model/w``) where :func:`as_trainer_layout` put
     their tensors (``state_dict/w``)."""
 
     def moved(path: str) -> str:

@@ -19,6 +19,10 @@ written in the Trainer's layout (``state_dict``, ``optimizer_states`` numbered i
 ``lr_schedulers`` in ``state`` order, ``pytorch-lightning_version``) with the same record, without
 ``"layout"``.
 
+A full file under the user's keys without the record, as Fabric's DDP writes it, loads by the keys
+of the state it is loaded into (the model's key holds its state dict, each optimizer's key its
+``state_dict()``), as Fabric's DDP loads it; ``fabric.load(path)`` returns its entries as they are.
+
 Loading maps the roles back whatever the user's keys are now: the model in ``state`` takes
 ``state_dict``, the i-th optimizer set up takes ``optimizer_states[i]``, the j-th LR scheduler in
 ``state`` takes ``lr_schedulers[j]``; other keys are looked up by name. A Trainer checkpoint has the
@@ -83,8 +87,13 @@ def lightning_entries(roles: Roles, *, user_keys: bool) -> dict[str, Any]:
     """What every Fabric save adds for the Trainer: the user's keys of the roles and the Lightning
     version (``user_keys``: the entries are under the user's keys, the version in the record)."""
     if user_keys:
-        return {ROLES: {**roles.as_dict(), "layout": USER_KEYS, "lightning": lightning.__version__}}
+        return {ROLES: user_keys_record(roles)}
     return {VERSION: lightning.__version__, ROLES: roles.as_dict()}
+
+
+def user_keys_record(roles: Roles) -> dict[str, Any]:
+    """The record of a full file under the user's keys (see [Note: two layouts of the full file])."""
+    return {**roles.as_dict(), "layout": USER_KEYS, "lightning": lightning.__version__}
 
 
 def as_saved(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -40,14 +40,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
+from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
 from lightning_zero.fabric import state as fstate
 from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
+from lightning_zero.imports import resolve_optimizer_classes
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import resolve_policy, training_precision
-from lightning_zero.zero.optimizer import check_shardable, resolve_optimizer_classes, shard_optimizer_in_place
+from lightning_zero.zero.optimizer import check_shardable, shard_optimizer_in_place
 
 
 class ZeroStrategy(DDPStrategy, _Sharded):
@@ -506,18 +508,26 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """``fabric.load``: a checkpoint of the Trainer's format, written by this strategy or by the
-        Trainer's, either form, any stage and world size, into the objects of ``state`` (see [Note:
+        """``fabric.load``: a checkpoint written by this strategy or by the Trainer's, either form, any
+        stage and world size, or a full file of Fabric's DDP, into the objects of ``state`` (see [Note:
         Fabric state keys]); the entries not asked for are returned. All ranks call it."""
         path = self._shared_path(path)
         if isinstance(state, (nn.Module, Optimizer)):
             self._load_raw(path, state, strict, weights_only)
             return {}
         verify = self._config.verify_checkpoints
-        checkpoint = checkpoints.read(path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify)
+        roles = self._roles(state or {}, saving=False)
+        try:
+            checkpoint = checkpoints.read(
+                path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify
+            )
+        except UserKeyedCheckpoint as err:  # Fabric's DDP wrote it: the keys are the state's
+            if not state:
+                return dict(err.entries)
+            record = fstate.user_keys_record(roles)
+            checkpoint = {**as_trainer_layout(err.entries, record), fstate.ROLES: record}
         if not state:
             return self._as_saved(checkpoint, path)
-        roles = self._roles(state, saving=False)
         if strict:
             fstate.check_requested(state, roles, checkpoint, path)
         self._load_model_and_optimizers(checkpoint, roles, strict)

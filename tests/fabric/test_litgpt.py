@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(_litgpt_missing() is not None, reason=str(_litgp
 
 DDP, ZERO3 = Run(model="litgpt", stage=None), Run(model="litgpt", stage=3)
 SHARDED = Run(model="litgpt", stage=3, form="sharded")
-RESUMES = ((ZERO3, ZERO3), (SHARDED, ZERO3), (ZERO3, Run(model="litgpt", stage=2)))
+RESUMES = ((ZERO3, ZERO3), (SHARDED, ZERO3), (ZERO3, Run(model="litgpt", stage=2)), (DDP, ZERO3))
 TOL = 1e-5
 
 

@@ -41,6 +41,7 @@ RESUMES = (  # (the fit whose file is loaded, the run that loads it)
     (Run(stage=2), Run(stage=3)),
     (Run(stage=3, form="sharded"), Run(stage=2)),
     (Run(stage=1, form="sharded"), Run(stage=0)),
+    (Run(stage=None), Run(stage=3)),  # the file Fabric's own DDP wrote
 )
 OLD = "old-layout"  # the ddp file rewritten in the layout Fabric files had before (loaded at stage 3)
 TOL = 1e-5  # fp32 parameters against Fabric's DDP
@@ -146,9 +147,9 @@ def test_full_file_is_what_fabric_ddp_writes(runs):
 
 def test_load_resumes_as_the_uninterrupted_run(runs):
     """``fabric.load(path, {"model", "optimizer", "iter_num"})`` in litgpt's order, from the full
-    file (user keys), the sharded directory, and a file in the layout Fabric files had before (the
-    Trainer's ``state_dict`` / ``optimizer_states``): the loaded model is the saved one, iter_num
-    comes back, and the run ends where the uninterrupted one ends."""
+    file (user keys), the sharded directory, the file Fabric's own DDP wrote, and a file in the layout
+    Fabric files had before (the Trainer's ``state_dict`` / ``optimizer_states``): the loaded model is
+    the saved one, iter_num comes back, and the run ends where the uninterrupted one ends."""
     ddp = _ok(runs, ("fit", Run(stage=None)))[0]
     _ok(runs, ("rewrite",))
     errors = []
