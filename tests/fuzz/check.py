@@ -72,6 +72,9 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome) -> list[str]:
         )
     if (d := _diff(first.ema, reference.ema)) > TOL:
         out.append(f"{name}: the EMA callback's copy differs from the reference's by {d:.2e}")
+    val = [(a + b) / 2 for a, b in zip(first.val_losses, ranks[1].val_losses)]
+    if len(first.val_losses) != len(ranks[1].val_losses) or _list_diff(val, reference.val_losses) > TOL:
+        out.append(f"{name}: validation losses {val} differ from the reference's {reference.val_losses}")
     if _list_diff(first.norms, reference.norms) > 1e-4:
         out.append(f"{name}: the norms a callback logged {first.norms} differ from {reference.norms}")
     for r, res in enumerate(ranks):

@@ -48,9 +48,8 @@ class Program(NamedTuple):
     save_hook: bool = False  # on_save_checkpoint casts a copy of checkpoint["state_dict"] to half
     backward_error: bool = False  # manual: the first backward raises inside, is caught, training goes on
     lightning_callbacks: bool = False  # Lightning's own: ModelSummary, EMAWeightAveraging, ModelCheckpoint
-    sharded_checkpoint: bool = (
-        False  # state_dict_type="sharded" (the saved directory is consolidated to compare)
-    )
+    sharded_checkpoint: bool = False  # state_dict_type="sharded" (consolidated to compare)
+    validate: bool = False  # a validation loop every 2 batches (EMAWeightAveraging swaps weights in)
 
     @property
     def name(self) -> str:
@@ -138,6 +137,7 @@ class ProgramModule(LightningModule):
         self.automatic_optimization = not program.manual
         self.losses: list[float] = []  # every micro-batch's loss (manual: every step's)
         self.saved_states: list[dict] = []  # what on_save_checkpoint found, as it found it
+        self.val_losses: list[float] = []  # every validation batch's loss, this rank's
 
     def _loss(self, batch: Any, *, boom: bool = False) -> torch.Tensor:
         loss = self.net(*batch, boom=boom)
@@ -163,6 +163,13 @@ class ProgramModule(LightningModule):
             self.manual_backward(loss)
             opt.step()
         return loss  # returned, as people often do under manual optimization
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_losses.append(self.net(*batch).float().item())
+
+    def val_dataloader(self):
+        # unshuffled: rank r takes every N-th sample from r, the reference's batch is the union
+        return DataLoader(Tokens(2 * BATCH * WORLD, seed=5), batch_size=self.per_rank)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.program.save_hook:
@@ -213,6 +220,7 @@ class Outcome(NamedTuple):
     ema: dict[str, torch.Tensor]  # the callback's EMA after fit
     norms: list[float]  # the callback's global norm after every batch
     hook_states: list[dict]  # what on_save_checkpoint found in checkpoint["state_dict"]
+    val_losses: list[float]  # this rank's validation losses
     saved: dict | None  # rank 0: the file trainer.save_checkpoint wrote after fit ("state_dict", "export")
     error: str | None  # the fit raised: type, message and traceback
 
@@ -231,7 +239,7 @@ def strategy_for(program: Program, stage: int) -> Any:
 def fit(program: Program, stage: int | None, root: str) -> Outcome:
     """Fit ``program`` at ``stage`` on the ranks of the process group, or (None) in this process alone."""
     if stage is None and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return Outcome({}, [], 0, {}, [], [], None, None)
+        return Outcome({}, [], 0, {}, [], [], [], None, None)
     model = ProgramModule(program, per_rank=BATCH if stage is not None else BATCH * WORLD)
     reader = ReadsParameters()
     automatic = not program.manual
@@ -246,6 +254,9 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
         accelerator="cpu",
         devices=WORLD if stage is not None else 1,
         max_epochs=1,
+        limit_val_batches=None if program.validate else 0,
+        val_check_interval=2 if program.validate else None,
+        num_sanity_val_steps=0,
         accumulate_grad_batches=program.accumulate if automatic else 1,
         gradient_clip_val=program.clip if automatic else None,
         callbacks=callbacks,
@@ -260,11 +271,11 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
         saved = _save_after_fit(trainer, root) if program.save_hook or program.lightning_callbacks else None
         params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     except Exception as err:  # noqa: BLE001  (the test reports it)
-        return Outcome(
-            {}, model.losses, 0, {}, [], [], None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-        )
+        error = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        return Outcome({}, model.losses, 0, {}, [], [], [], None, error)
     ema = {k: v.float() for k, v in reader.ema.items()}
-    return Outcome(params, model.losses, reader.count, ema, reader.norms, model.saved_states, saved, None)
+    outcome = (params, model.losses, reader.count, ema, reader.norms, model.saved_states, model.val_losses)
+    return Outcome(*outcome, saved, None)
 
 
 def _save_after_fit(trainer: Trainer, root: str) -> dict | None:

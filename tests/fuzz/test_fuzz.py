@@ -51,6 +51,7 @@ def programs(draw: st.DrawFn) -> Program:
         backward_error=backward_error,
         lightning_callbacks=draw(st.booleans()),
         sharded_checkpoint=draw(st.booleans()),
+        validate=draw(st.booleans()),
     )
 
 
