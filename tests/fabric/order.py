@@ -185,10 +185,26 @@ def fit(run: Run, path: str, root: str) -> dict[str, Any]:
     fabric = make_fabric(run)
     model, optimizer = set_up(fabric, run, root)
     losses = train(fabric, run, model, optimizer, range(SAVE_AT))
+    ledger = getattr(fabric.strategy, "ledger", None)
+    before = ledger.recorded if ledger is not None else 0
     fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": SAVE_AT})
+    save_ops = [(r.op, r.name, r.payload_bytes) for r in ledger.records_since(before)] if ledger else []
     saved = whole(fabric, model)
     losses += train(fabric, run, model, optimizer, range(SAVE_AT, STEPS))
-    return {"saved": saved, "params": whole(fabric, model), "losses": losses}
+    return {
+        "saved": saved,
+        "params": whole(fabric, model),
+        "losses": losses,
+        "save_ops": save_ops,
+        "space_bytes": _space_bytes(fabric),
+    }
+
+
+def _space_bytes(fabric: L.Fabric) -> list[int]:
+    """The padded size in bytes of each flat space that holds parameter values (stages 1-3)."""
+    engine = getattr(fabric.strategy, "engine", None)
+    spaces = engine.param_spaces() if engine is not None else []
+    return [s.padded_numel * s.shard.element_size() for s in spaces]
 
 
 @_guard

@@ -189,3 +189,16 @@ def test_the_trainer_resumes_a_full_fabric_file(runs):
         r0, r1 = _ok(runs, ("trainer", stage))
         assert _max_diff(r0["params"], reference["params"]) <= TOL, stage
         assert _max_diff(r0["params"], r1["params"]) == 0.0, stage
+
+
+def test_stage_3_full_save_gathers_one_flat_space_at_a_time(runs):
+    """The user-keyed full file is streamed as the Trainer's is: rank 0 receives each unit's values
+    and each of AdamW's two per-element states in one Gather per unit (4 units x 3), never more than
+    the largest unit at once, and nothing is all-gathered."""
+    r0, _ = _ok(runs, ("fit", Run(stage=3)))
+    data = [(op, name, size) for op, name, size in r0["save_ops"] if op not in ("broadcast", "barrier")]
+    assert {op for op, _, _ in data} == {"gather"}, data
+    assert {name for _, name, _ in data} == {"zero3/gather/checkpoint"}, data
+    spaces = r0["space_bytes"]
+    assert len(spaces) == 4 and len(data) == 3 * len(spaces), (spaces, data)
+    assert max(size for _, _, size in data) == max(spaces) < sum(spaces), (spaces, data)
