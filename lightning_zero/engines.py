@@ -175,7 +175,23 @@ class Engine:
 
     def _master_values(self) -> dict[int, Tensor]:
         """id(param) -> full master value (empty when the parameters are their own masters)."""
+        self.take_back()
         return {i: m.detach().clone() for i, m in self.masters.items()}
+
+    def take_back(self) -> None:
+        """[Note: taking back parameter changes] Under a policy the optimizer steps fp32 masters and
+        the module holds their compute-dtype copies, equal to them after every step. User code that
+        writes the module's parameters between steps (an EMA callback copying its average in at the
+        end of training, ``p.data.copy_(...)``) changes only the copies: before the masters are
+        read (a checkpoint, the end of fit), the masters of changed parameters take the new values.
+        Stage 3 does the same for parameters used at rest ([Note: gathered at rest])."""
+        if not self.masters or self.finished:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                master = self.masters[id(p)]
+                if not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p)
 
     def _restore_masters(self) -> None:
         """Teardown under a policy: the module gets its full-precision values back."""
@@ -279,7 +295,20 @@ class ShardedOptimizerEngine(Engine):
     def _master_values(self) -> dict[int, Tensor]:
         if not self.sharded_params.masters:
             return {}
+        self.take_back()
         return full_parameters(self.sharded_params.spaces, self.comm, self.label)
+
+    def take_back(self) -> None:
+        """See [Note: taking back parameter changes]: this rank's chunk of each bucket against its
+        fp32 master shard."""
+        sp = self.sharded_params
+        if self.finished or not sp.masters:
+            return
+        with torch.no_grad():
+            for flat, space in zip(sp.flats, sp.spaces):
+                own = space.own_chunk(flat)
+                if not torch.equal(own, space.shard.to(own.dtype)):
+                    space.shard.copy_(own)
 
     def flat_spaces(self) -> list[FlatParameter]:
         return self.sharded_params.spaces

@@ -385,6 +385,8 @@ class ZeroStrategy(DDPStrategy):
         return state
 
     def _full_form_state(self, engine: Engine | None) -> dict[str, Any]:
+        if engine is not None:
+            engine.take_back()  # see [Note: taking back parameter changes] in engines.py
         if engine is not None and engine.streams_values:
             return checkpoints.streamed_model_state(self.lightning_module, engine)
         if self._engine is None:

@@ -50,6 +50,8 @@ class Program(NamedTuple):
     lightning_callbacks: bool = False  # Lightning's own: ModelSummary, EMAWeightAveraging, ModelCheckpoint
     sharded_checkpoint: bool = False  # state_dict_type="sharded" (consolidated to compare)
     validate: bool = False  # a validation loop every 2 batches (EMAWeightAveraging swaps weights in)
+    precision: str = "32-true"  # Lightning's flag: 32-true | bf16-mixed
+    zero3: str = "default"  # stage 3's options: default | no_prefetch | keep_after_forward | unsharded_accumulation | sharded_after_fit
 
     @property
     def name(self) -> str:
@@ -213,6 +215,17 @@ class ReadsParameters(Callback):
             self.norms.append(torch.stack([p.norm() for p in pl_module.parameters()]).norm().item())
 
 
+ZERO3_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "no_prefetch": {"prefetch": False},
+    "keep_after_forward": {"reshard_after_forward": False},
+    "unsharded_accumulation": {"accumulate_unsharded": True},
+    "sharded_after_fit": {
+        "gather_at_teardown": False
+    },  # model.state_dict() after fit reads parameters at rest
+}
+
+
 class Outcome(NamedTuple):
     params: dict[str, torch.Tensor]  # model.state_dict() after fit, fp32 copies
     losses: list[float]  # this rank's, per forward
@@ -233,6 +246,7 @@ def strategy_for(program: Program, stage: int) -> Any:
         options["state_dict_type"] = "sharded"
     if stage == 3:
         options["wrap_policy"] = "tests.fuzz.program.Block"
+        options.update(ZERO3_OPTIONS[program.zero3])
     return ZeroStrategy(stage=stage, **options)
 
 
@@ -254,6 +268,7 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
         accelerator="cpu",
         devices=WORLD if stage is not None else 1,
         max_epochs=1,
+        precision=program.precision,
         limit_val_batches=None if program.validate else 0,
         val_check_interval=2 if program.validate else None,
         num_sanity_val_steps=0,
