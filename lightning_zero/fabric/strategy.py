@@ -8,10 +8,11 @@ given its values and sharded unit by unit here), so ``model.parameters()`` after
 own parameters as set up (stage 3: sharded placeholders, which no computation may read). An optimizer
 made from them and passed to ``setup_optimizers`` is then laid onto the engine's flat spaces in place
 (:func:`_lay_onto`): stages 1-3 give each param group the sub-shards of its parameters, stage 0 under a
-mixed-precision policy its fp32 masters; stage 0 in the model's own dtype keeps it as it is. The set of
-optimizers closes at the model's first use (the first forward, ``no_backward_sync``, ``save``,
-``load``, ``clip_gradients``, ``gathered()``): an optimizer set up after that is an error that says
-so. Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
+mixed-precision policy its fp32 masters; stage 0 in the model's own dtype keeps it as it is. Loading
+weights (``fabric.load_raw``, ``fabric.load``) may come before or after. The set of optimizers closes
+when training begins (the model's first forward, or ``no_backward_sync``): gradients and optimizer
+steps are laid out for the optimizers known then, so one set up later is an error that says so.
+Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         self._engine: Engine | None = None  # the stage's mechanism, built with the model's setup
         self._module: nn.Module | None = None  # the user's model (the one this strategy sets up)
         self._wrapped: ZeroModule | None = None  # the engine's wrapper, once wrapped
-        self._closed = False  # the model was used: the optimizers set up so far are all it has
+        self._closed = False  # training began: the optimizers set up so far are all the model has
         self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
         self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
 
@@ -167,10 +168,10 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         if self._closed and self._engine.needs_optimizers_first:
             raise RuntimeError(
                 f"ZeroStrategy(stage={self._config.stage}) already laid out the model's shards and trained with "
-                f"the {len(self._optimizers)} optimizer(s) set up before the model's first use (forward, "
-                "no_backward_sync, save, load, clip_gradients); it cannot shard another one. Set up every "
-                "optimizer before that: fabric.setup_optimizers(opt1, opt2) right after "
-                "fabric.setup(model), or fabric.setup(model, opt1, opt2)"
+                f"the {len(self._optimizers)} optimizer(s) set up before training began (the model's first "
+                "forward, or no_backward_sync); it cannot shard another one. Set up every optimizer before "
+                "that: fabric.setup_optimizers(opt1, opt2) right after fabric.setup(model), or "
+                "fabric.setup(model, opt1, opt2)"
             )
         if any(opt is optimizer for opt in self._optimizers):
             raise ValueError(f"this {type(optimizer).__name__} is set up already")
@@ -212,16 +213,16 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         _optimizers_to_device(self._optimizers, self.root_device)
 
     def _close(self, *_: Any) -> None:
-        """The model's first use: the optimizers set up so far are all it trains with."""
+        """Training began (a forward, ``no_backward_sync``): the optimizers set up so far are all the
+        model trains with."""
         self._closed = True
 
     def _ready(self) -> Engine:
-        """The engine of the model set up, now in use: no optimizer can be added any more."""
+        """The engine of the model set up."""
         if self._engine is None:
             raise RuntimeError(
                 "ZeroStrategy has no model yet: set it up first with fabric.setup(model, optimizer)"
             )
-        self._close()
         return self._engine
 
     def wrapped_module(self) -> ZeroModule:
@@ -250,7 +251,9 @@ class ZeroStrategy(DDPStrategy, _Sharded):
 
     def no_sync(self) -> AbstractContextManager:
         """No collective inside where the stage honours it (see ZeroConfig.accumulate_unsharded)."""
-        return self._ready().no_sync()
+        engine = self._ready()
+        self._close()
+        return engine.no_sync()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:

@@ -48,11 +48,13 @@ class Run(NamedTuple):
     form: str = "full"  # state_dict_type of the save
     precision: str = "32-true"  # Fabric's flag
     together: bool = False  # the reference order instead: fabric.setup(model, optimizer)
+    load_first: bool = False  # fabric.load_raw of the initial weights before the optimizer exists
 
     @property
     def name(self) -> str:
         stage = "ddp" if self.stage is None else f"zero{self.stage}"
-        return f"{self.model}-{stage}-{self.form}-{self.precision}{'-together' if self.together else ''}"
+        flags = "".join(f"-{k}" for k in ("together", "load_first") if getattr(self, k))
+        return f"{self.model}-{stage}-{self.form}-{self.precision}{flags}"
 
 
 def litgpt_config() -> Any:
@@ -146,14 +148,17 @@ def set_up(fabric: L.Fabric, run: Run, root: str) -> tuple[Any, Any]:
     with fabric.init_module(empty_init=True):
         model = build(run.model)
     if run.together:
-        model, optimizer = fabric.setup(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        )
-    else:
-        model = fabric.setup(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        optimizer = fabric.setup_optimizers(optimizer)
-    fabric.load_raw(init, model)
+        model, optimizer = fabric.setup(model, optimizer)
+        fabric.load_raw(init, model)
+        return model, optimizer
+    model = fabric.setup(model)
+    if run.load_first:
+        fabric.load_raw(init, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(optimizer)
+    if not run.load_first:
+        fabric.load_raw(init, model)
     return model, optimizer
 
 
@@ -276,10 +281,13 @@ def misuse(root: str) -> dict[str, Any]:
     model = fabric.setup(model)
     stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     out = {"foreign": _raised(lambda: fabric.setup_optimizers(stranger))}
+    weights = f"{root}/weights.ckpt"
+    fabric.save(weights, {"model": model})  # saving and loading weights leave the optimizers open
+    fabric.load(weights, {"model": model})
     mine = torch.optim.SGD(model.parameters(), lr=0.1)
-    fabric.setup_optimizers(mine)
+    out["after a load"] = _raised(lambda: fabric.setup_optimizers(mine))
     out["twice"] = _raised(lambda: fabric.setup_optimizers(mine))
     x, y = tokens(0, fabric.global_rank)
-    fabric.backward(loss_of(run.model, model(x), y))  # the first use closes the optimizers
+    fabric.backward(loss_of(run.model, model(x), y))  # training begins: the optimizers are closed
     out["late"] = _raised(lambda: fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)))
     return out
