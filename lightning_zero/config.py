@@ -93,9 +93,15 @@ class ZeroConfig:
             on, as torch DDP does), ``"skip"`` (every rank skips the optimizer step: weights and
             optimizer state untouched, counted as a skipped step) or ``"stop"`` (every rank raises,
             naming the ranks and the step). One AllReduce of 8N bytes per optimizer step when on.
-        watchdog_s: report a collective that waits longer than this many seconds: every rank's
-            last collective (sequence number, op, name, bytes) is exchanged through the process
-            group's store and printed, so a desync or a stuck rank is named. None: off.
+        watchdog_s: a collective that waits longer than this many seconds makes every rank post
+            its latest collectives (sequence number, op, name, bytes) in the process group's store;
+            two ranks with different collectives under one sequence number are a desync, and every
+            rank stops naming them; otherwise the report (a slow rank, a stuck link) is printed
+            and training goes on. A slow rank (a long step, save or validation) is never a desync,
+            so the default only bounds how long a desync that the per-collective check on gloo
+            and the per-batch agreement do not catch (on NCCL, within a step) can last: lower
+            ends it sooner, higher prints fewer reports during long healthy waits
+            (docs/failures.md). None: off.
         fault_wait_s: when a collective fails, how long a rank waits for the failing rank's
             message in the store before naming the ranks that left without one.
         keep_previous_checkpoint: keep the previous version of a checkpoint that is overwritten
@@ -135,7 +141,7 @@ class ZeroConfig:
     ledger_records: int = 4_096  # collectives the ledger keeps in detail (bounded memory)
     handle_signals: bool = True  # SIGTERM/SIGUSR1/SIGINT: save and stop at the next step boundary
     nonfinite_grads: str = "off"  # NaN/inf loss or gradients on any rank: "off" | "skip" | "stop"
-    watchdog_s: float | None = None  # report collectives waiting longer than this; None: off
+    watchdog_s: float | None = 60.0  # compare every rank's collectives after a wait this long; None: off
     fault_wait_s: float = 3.0  # wait this long for a failing rank's message after a collective fails
     keep_previous_checkpoint: bool = True  # keep .NAME.previous when NAME is overwritten
     verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading

@@ -7,7 +7,10 @@ its forward, one between two buckets, one writing a file), which under ZeRO, whe
 itself a collective, hangs or saves half a step. With ``handle_signals`` the strategy replaces
 Lightning's signal connector (:class:`StopSignals`): SIGTERM, SIGUSR1 and SIGINT only append to a
 list. Before every training batch all ranks exchange a few bits each (:meth:`StepBoundary.agree`:
-one AllReduce of N int64, which replaces Lightning's own per-batch broadcast of its SIGTERM flag):
+one AllReduce of a host table of N rows on the communicator's gloo side group, which replaces
+Lightning's own per-batch broadcast of its SIGTERM flag; on a GPU it costs no device-to-host
+synchronisation, and it checks that the ranks are at the same collective, see [Note: checked
+issue] in ``comm/checks.py``):
 which signals each rank has received, and whether this is its last batch of the epoch. A signal
 on any rank makes every rank finish the optimizer step under way and then, at the end of the same
 batch everywhere, save ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (full or sharded, as

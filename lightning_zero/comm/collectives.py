@@ -35,6 +35,7 @@ import functools
 import logging
 import pickle
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -47,6 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.checks import (
+    FLAGS,
+    SideGroup,
+    desync_report,
+    elsewhere,
+    in_step,
+    issued_from_row,
+    row_of,
+)
 from lightning_zero.comm.faults import (
     FaultBoard,
     Liveness,
@@ -62,7 +72,7 @@ from lightning_zero.comm.faults import (
 )
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.timing import CUDA_EVENTS, StreamInterval, timing_for
-from lightning_zero.comm.tracker import CollectiveTracker, Issued
+from lightning_zero.comm.tracker import CollectiveTracker, Issued, RankState
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the former names
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -212,6 +222,9 @@ class Communicator:
         self.on_poll: Callable[[], None] | None = None  # the watchdog's check, between two wait slices
         self.liveness: Liveness | None = None  # dead peers, while this rank waits (watch_faults)
         self._blocking_waits = is_distributed() and dist.get_backend(group) != "nccl"  # gloo, mpi, ...
+        self.side: SideGroup | None = None  # gloo group for host tables (watch_faults); see checks.py
+        # gloo: every collective checked before it is issued ([Note: checked issue] in checks.py)
+        self.check_issue = self._blocking_waits
         if is_distributed():
             _destroy_at_exit()
 
@@ -220,8 +233,9 @@ class Communicator:
         return self.world_size > 1
 
     def watch_faults(self, *, fault_wait_s: float = 3.0) -> None:
-        """Exchange every rank's host and pid (a collective, once) and open the fault board in the
-        process group's store (see [Note: failures travel through the store])."""
+        """Exchange every rank's host and pid (a collective, once), open the fault board in the
+        process group's store (see [Note: failures travel through the store]) and create the host
+        side group (collectively, once; see [Note: checked issue] in ``checks.py``)."""
         if not self.active or self.board is not None:
             return
         self.fault_wait_s = fault_wait_s
@@ -230,6 +244,8 @@ class Communicator:
         self.ranks = self.all_gather_object(this_process(self.rank), name="faults/ranks")  # all opened
         self.board = board
         self.liveness = self.new_liveness()
+        if self.side is None:
+            self.side = SideGroup.create(self.group, self.world_size)
 
     def new_liveness(self) -> Liveness:
         """A watch on dead peers: heartbeats still for max(3 x fault_wait_s, 10 s) mean gone."""
@@ -277,6 +293,7 @@ class Communicator:
         else:
             self.ledger.record(op, name, payload_bytes, self.world_size)
         issued = self.tracker.issue(op, name, payload_bytes)
+        self._check(issued)
         with torch.profiler.record_function(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
@@ -291,15 +308,81 @@ class Communicator:
         if self.stop_reason is not None:
             raise CollectivesStopped(self.stop_reason)
 
+    # -- checked issue (see [Note: checked issue] in ``checks.py``) --------------------------------
+
+    def _check(self, issued: Issued) -> None:
+        """On gloo, before ``issued`` is launched: every rank is about to issue the same collective."""
+        if self.check_issue and self.side is not None:
+            self.ledger.record_check(
+                self.side.table.numel() * self.side.table.element_size(), self.world_size
+            )
+            self._exchange(issued, 0)
+
+    def _exchange(self, issued: Issued, flags: int) -> list[list[int]]:
+        """Every rank's row (``flags`` and its collective) on every rank, over the side group;
+        rows that name different collectives stop every rank with :class:`CollectivesStopped`."""
+        work = self.side.launch(self.rank, row_of(issued, flags))
+        self.wait_for(work, issued, blocking=True)
+        rows = self.side.rows()
+        if not in_step(rows):
+            self._stop_for_desync(issued, rows)
+        return rows
+
+    def _stop_for_desync(self, issued: Issued, rows: list[list[int]]) -> None:
+        """Every rank sees the same rows: each names every rank's collective and raises."""
+        states = self._desync_states(issued, rows)
+        report = desync_report(self.rank, states, elsewhere(rows, self.rank), self.world_size)
+        print(report, file=sys.stderr, flush=True)  # also where the exception is caught and dropped
+        self.stop_reason = report
+        error = CollectivesStopped(report)
+        self.mark_failed(error)
+        if self.board is not None:
+            try:
+                self.board.publish_stop(report)  # for a rank that waits elsewhere
+                self.board.note(self.rank, issued.describe())
+            except StoreUnreachable:
+                pass
+        raise error
+
+    def _desync_states(self, issued: Issued, rows: list[list[int]]) -> dict[int, RankState]:
+        """Every rank's collective, named as it posted it on the board (else from its row)."""
+        posted: dict[int, Issued] = {}
+        if self.board is not None:
+            try:
+                self.board.post_collective(self.side.count, issued)
+                posted = self.board.collectives(self.side.count, self.fault_wait_s)
+            except StoreUnreachable:
+                pass
+        states = {}
+        for r, row in enumerate(rows):
+            theirs = issued if r == self.rank else posted.get(r, issued_from_row(row))
+            host = self.ranks[r].host if r < len(self.ranks) else "?"
+            states[r] = RankState(r, host, theirs, theirs, 0.0)
+        return states
+
+    @contextmanager
+    def tracked(self, name: str) -> Generator[None, None, None]:
+        """Around a collective this package does not issue (Lightning's own reduce or all-gather):
+        numbered, checked on gloo before it starts, and known to the watchdog while it blocks."""
+        if not self.active:
+            yield
+            return
+        self._check_can_issue(name)
+        issued = self.tracker.issue("lightning", name, 0)
+        self._check(issued)
+        with self.tracker.blocked_in(issued):
+            yield
+
     # -- waiting (see [Note: waiting without hanging]) -----------------------------------------
 
-    def wait_for(self, work: Any, issued: Issued | None) -> None:
-        """Block until ``work`` completes; a failure is raised with the failing rank's message."""
+    def wait_for(self, work: Any, issued: Issued | None, *, blocking: bool | None = None) -> None:
+        """Block until ``work`` completes; a failure is raised with the failing rank's message.
+        ``blocking``: whether its ``wait`` blocks the host (None: as the main group's backend)."""
         if self.liveness is not None:
             self.liveness.reset()
         with self.tracker.blocked_in(issued):
             try:
-                if self._blocking_waits:
+                if self._blocking_waits if blocking is None else blocking:
                     self._wait_in_slices(work, issued)
                 else:
                     work.wait()
@@ -369,15 +452,19 @@ class Communicator:
             except StoreUnreachable:
                 pass
 
-    def explain(self, err: BaseException, issued: Issued | None) -> PeerFailure | None:
-        """Why ``err`` ended this rank's collective, read from the fault board; None when the board
-        knows nothing (no board, or every rank answered and none failed: the backend's own error)."""
+    def explain(self, err: BaseException, issued: Issued | None) -> RuntimeError | None:
+        """Why ``err`` ended this rank's collective, read from the fault board: a desync a peer found
+        (:class:`CollectivesStopped`), a peer's failure or death (:class:`PeerFailure`); None when the
+        board knows nothing (no board, or every rank answered and none failed: the backend's own error)."""
         self.mark_failed(err)
         if self.board is None:
             return None
         where = issued.describe() if issued is not None else "a collective"
         try:
             self.board.note(self.rank, where)
+            stop = self.board.stop_reason() if self.board.fault_count() else None
+            if stop is not None:  # the peer that found the desync left first: this rank names it too
+                return CollectivesStopped(stop)
             gone = [i for i in self.ranks if i.rank != self.rank and process_exists(i) is False]
             if gone and not self.board.fault_count():  # dead for sure, and said nothing: no need to wait
                 return PeerFailure(lost_message(gone, self.rank, where, err), lost=gone)
@@ -474,9 +561,19 @@ class Communicator:
     # -- control collectives (counted apart: see [Note: bounded ledger]) ------------------------
 
     def agree(self, flags: int, *, name: str, device: torch.device) -> list[int]:
-        """Every rank's ``flags`` on every rank: one AllReduce of N int64 (each rank fills its slot)."""
+        """Every rank's ``flags`` on every rank: one AllReduce of a host table of N rows on the side
+        group (each rank fills its row), which also checks that the ranks are in step (see [Note:
+        checked issue]); before ``watch_faults``, N int64 on ``device`` over the main group."""
         if not self.active:
             return [flags]
+        if self.side is not None:
+            self._check_can_issue(name)
+            nbytes = self.side.table.numel() * self.side.table.element_size()
+            self.ledger.record_control(nbytes, self.world_size)
+            issued = self.tracker.issue("agree", name, nbytes)
+            with torch.profiler.record_function(name):
+                rows = self._exchange(issued, flags)
+            return [row[FLAGS] for row in rows]
         table = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         table[self.rank] = flags
         launch = lambda: dist.all_reduce(table, group=self.group, async_op=True)  # noqa: E731
@@ -490,6 +587,7 @@ class Communicator:
         self._check_can_issue(name)
         self.ledger.record_control(0, self.world_size)
         issued = self.tracker.issue("agree", name, 0)
+        self._check(issued)
         out: list[Any] = [None] * self.world_size
         with self.tracker.blocked_in(issued), torch.profiler.record_function(name):
             try:
@@ -511,6 +609,7 @@ class Communicator:
         self._check_can_issue(name)
         self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
         issued = self.tracker.issue(op, name, payload_bytes)
+        self._check(issued)
         with torch.profiler.record_function(name):
             work = launch()
         self.tracker.launched(issued, work)
@@ -582,6 +681,8 @@ class Communicator:
         if not no_dist:
             self._check_can_issue(name)
         issued = None if no_dist else self.tracker.issue("checkpoint", name, 0)
+        if issued is not None:
+            self._check(issued)
         with torch.profiler.record_function(name), warnings.catch_warnings(), self.tracker.blocked_in(issued):
             # one process on purpose: DCP's warning that it assumes so says nothing new
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

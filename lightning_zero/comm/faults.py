@@ -212,15 +212,47 @@ class FaultBoard:
                 found[r] = _state_from_json(self._get(f"state/{request}/{r}"))
         return found
 
+    # -- a desync found by a check (see [Note: checked issue] in ``checks.py``) ------------------
+
+    def post_collective(self, check: int, issued: Issued) -> None:
+        """This rank's collective at its ``check``-th table, which did not match (for its name)."""
+        self._set(f"desync/{check}/{self.rank}", list(issued))
+
+    def collectives(self, check: int, seconds: float) -> dict[int, Issued]:
+        """Every rank's collective posted for the ``check``-th table, waiting up to ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            found = {
+                r: Issued(*self._get(f"desync/{check}/{r}"))
+                for r in range(self.world_size)
+                if self._has(f"desync/{check}/{r}")
+            }
+            if len(found) == self.world_size or time.monotonic() >= deadline:
+                return found
+            time.sleep(READ_PAUSE_S)
+
 
 def _state_to_json(state: RankState) -> list:
-    return [state.rank, state.host, _issued_json(state.last), _issued_json(state.waiting), state.for_s]
+    recent = [list(i) for i in state.recent]
+    return [
+        state.rank,
+        state.host,
+        _issued_json(state.last),
+        _issued_json(state.waiting),
+        state.for_s,
+        recent,
+    ]
 
 
 def _state_from_json(value: list) -> RankState:
-    rank, host, last, waiting, for_s = value
+    rank, host, last, waiting, for_s, recent = value
     return RankState(
-        rank, host, Issued(*last) if last else None, Issued(*waiting) if waiting else None, for_s
+        rank,
+        host,
+        Issued(*last) if last else None,
+        Issued(*waiting) if waiting else None,
+        for_s,
+        tuple(Issued(*i) for i in recent),
     )
 
 

@@ -31,7 +31,8 @@ resolves those complete), and every read of the seconds blocked first resolves t
 
 Control collectives (the per-batch agreement on signals and data, the non-finite guard's flags,
 the exchange of host names at setup) are not ZeRO traffic: they are counted apart, in
-``control``, so that the per-step figures compare one to one with the ZeRO plan.
+``control``, so that the per-step figures compare one to one with the ZeRO plan; so are the
+checks that precede each collective on gloo, in ``checks`` ([Note: checked issue] in ``checks.py``).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class CommLedger:
         self._timed: Counter[str] = Counter()  # timing method -> waits timed with it over the run
         self.pending: deque[PendingWait] = deque()  # stream-timed waits the GPU has not finished
         self.control = OpTotals(0, 0, 0.0)  # control collectives: calls, payload, wire bytes
+        self.checks = OpTotals(0, 0, 0.0)  # checks before a collective (gloo, checks.py): calls, bytes
 
     def _totals_of(self, step: int) -> _StepTotals:
         entry = self._steps.get(step)
@@ -153,6 +155,12 @@ class CommLedger:
         calls, payload, wire = self.control
         sent = wire_bytes("all_reduce", payload_bytes, group_size)
         self.control = OpTotals(calls + 1, payload + payload_bytes, wire + sent)
+
+    def record_check(self, payload_bytes: int, group_size: int) -> None:
+        """The check before a collective ([Note: checked issue] in ``checks.py``): counted apart."""
+        calls, payload, wire = self.checks
+        sent = wire_bytes("all_reduce", payload_bytes, group_size)
+        self.checks = OpTotals(calls + 1, payload + payload_bytes, wire + sent)
 
     def add_wait(self, op: str, seconds: float) -> None:
         """Wall-clock time the caller was blocked waiting for ``op`` collectives (communication not
@@ -227,6 +235,7 @@ class CommLedger:
         self._timed.clear()
         self.pending.clear()
         self.control = OpTotals(0, 0, 0.0)
+        self.checks = OpTotals(0, 0, 0.0)
 
     def for_step(self, step: int) -> list[CommRecord]:
         """The records of ``step`` still in the detail window."""

@@ -19,6 +19,8 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+RECENT = 16  # collectives each rank keeps for the watchdog's comparison (see [Note: the watchdog])
+
 
 class Issued(NamedTuple):
     """One collective as the fault messages and the watchdog name it."""
@@ -40,6 +42,11 @@ class RankState(NamedTuple):
     last: Issued | None  # the latest collective this rank issued
     waiting: Issued | None  # the collective it is blocked in now, if any
     for_s: float  # seconds blocked in ``waiting``, or since ``last`` was issued when not waiting
+    recent: tuple[Issued, ...] = ()  # the latest collectives it issued (at most RECENT), oldest first
+
+    def current(self) -> Issued | None:
+        """The collective it waits in, or else the last it issued."""
+        return self.waiting if self.waiting is not None else self.last
 
     def describe(self) -> str:
         where = f"rank {self.rank} ({self.host})"
@@ -68,10 +75,12 @@ class CollectiveTracker:
         self.waiting_since = 0.0  # monotonic time it started waiting
         self.track_pending = False  # keep issued works until they complete (the watchdog on NCCL)
         self._pending: deque[tuple[Issued, Any, float]] = deque()  # (issued, torch Work, when), oldest first
+        self.recent: deque[Issued] = deque(maxlen=RECENT)  # the latest issued, oldest first
 
     def issue(self, op: str, name: str, nbytes: int) -> Issued:
         self.seq += 1
         self.last, self.last_at = Issued(self.seq, op, name, nbytes), time.monotonic()
+        self.recent.append(self.last)
         return self.last
 
     def launched(self, issued: Issued, work: Any) -> None:
@@ -113,6 +122,16 @@ class CollectiveTracker:
 
     def state(self, rank: int, host: str) -> RankState:
         stuck, for_s = self.stuck_in()
+        recent = self._recent()
         if stuck is not None:
-            return RankState(rank, host, self.last, stuck, for_s)
-        return RankState(rank, host, self.last, None, time.monotonic() - self.last_at)
+            return RankState(rank, host, self.last, stuck, for_s, recent)
+        return RankState(rank, host, self.last, None, time.monotonic() - self.last_at, recent)
+
+    def _recent(self) -> tuple[Issued, ...]:
+        """A copy of ``recent`` from another thread (retried if the training thread appended meanwhile)."""
+        for _ in range(3):
+            try:
+                return tuple(self.recent)
+            except RuntimeError:  # deque mutated during iteration
+                continue
+        return ()

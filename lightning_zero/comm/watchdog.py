@@ -1,23 +1,33 @@
 """The watchdog: a collective that waits too long is reported, with every rank's position.
 
 [Note: the watchdog]
-With ``watchdog_s`` set, a daemon thread wakes every ``min(1, watchdog_s / 4)`` seconds. On a
-backend whose waits block the host (gloo) a rank is stuck when it has been blocked in one
-collective longer than ``watchdog_s``; on NCCL, whose waits return at once, when the oldest
-collective it issued has not completed after ``watchdog_s`` (checked with ``Work.is_completed``,
-which does not block). A stuck rank asks every rank, through the store, for its state: the last
-collective it issued and the one it is blocked in (sequence number, op, name, bytes) and since
-when ([Note: collective sequence numbers] in ``tracker.py``). Every rank's watchdog answers from
-its own thread, so a rank busy outside any collective still answers. The report is printed on
-every stuck rank (again at twice the time while it stays stuck), e.g.
+With ``watchdog_s`` (60 s by default), a daemon thread wakes every ``min(1, watchdog_s / 4)``
+seconds. On a backend whose waits block the host (gloo) a rank is stuck when it has been blocked
+in one collective longer than ``watchdog_s``; on NCCL, whose waits return at once, when the
+oldest collective it issued has not completed after ``watchdog_s`` (checked with
+``Work.is_completed``, which does not block). A stuck rank asks every rank, through the store,
+for its state: the last collective it issued, the one it is blocked in and since when, and its
+latest ``RECENT`` collectives (sequence number, op, name, bytes; [Note: collective sequence
+numbers] in ``tracker.py``). Every rank's watchdog answers from its own thread, so a rank busy
+outside any collective still answers. The report is printed on every stuck rank (again at twice
+the time while it stays stuck), e.g.
 
-    lightning_zero watchdog: rank 0 waited 12 s in a collective; the ranks are out of step (a desync):
+    lightning_zero watchdog: rank 0 waited 12 s in a collective; the ranks are out of step (a desync): ...
       rank 0 (node1) waits in all_gather #57 zero3/all_gather/unit=blocks.3 (1.2 MiB) for 12 s
-      rank 1 (node2) waits in reduce_scatter #56 zero3/reduce_scatter/unit=blocks.2 (2.4 MiB) for 12 s
+      rank 1 (node2) waits in reduce_scatter #57 zero3/reduce_scatter/unit=blocks.2 (2.4 MiB) for 12 s
 
-When every rank waits, but not in the same collective, no rank can ever leave: the run stops
-(``CollectivesStopped`` with the report, raised by the waiting thread on gloo). Cost when nothing
-is stuck: one read of the store per tick.
+It is a desync when two ranks issued different collectives under one sequence number
+(``differ_at_one_number``), or, where their recent collectives do not overlap, when every rank
+has waited at least ``SETTLED_S`` in a collective and they are not all in the same one
+(``waits_apart``). Then no rank can ever leave: the run stops (``CollectivesStopped`` with the
+report, raised by the waiting thread on gloo; the report is published so that every rank stops).
+Lateness is never a desync: a rank that computes, saves a checkpoint or validates for a long time
+is not in a collective, or in one that the others have not reached yet, and its collectives so
+far match theirs. So the default cannot stop a healthy run, however long its waits; it bounds how
+long a desync lasts that the check before each collective on gloo ([Note: checked issue] in
+``checks.py``) and the per-batch agreement do not catch (an NCCL desync within a step; one of
+Lightning's collectives that the strategy does not check). Cost when nothing is stuck: one read of
+the store per tick; a wait longer than ``watchdog_s`` prints its report (a slow rank, a slow link).
 
 Whatever ``watchdog_s``: when a peer has published an error, or is gone (its pid on this host, or
 its heartbeat still), and this rank is still blocked ``fault_wait_s`` later in a wait no Python
@@ -25,7 +35,7 @@ code can interrupt (inside a DCP save or load, in Lightning's own collectives, i
 on NCCL), the thread prints the reason and ends the process (status 1). In this package's own
 waits on gloo the waiting thread raises first, with the same message.
 
-Without ``watchdog_s`` the same thread only beats: once a second it increments this rank's
+With ``watchdog_s=None`` the same thread only beats: once a second it increments this rank's
 heartbeat in the store, which a rank blocked in a collective reads to tell a dead peer on another
 host from a slow one ([Note: waiting without hanging] in ``collectives.py``). One store write per
 second per rank.
@@ -44,6 +54,7 @@ from lightning_zero.comm.tracker import RankState
 
 log = logging.getLogger(__name__)
 BEAT_S = 1.0  # heartbeat period (and the longest tick)
+SETTLED_S = 1.0  # a wait this old is not a collective about to complete (see waits_apart)
 ANSWER_WAIT_TICKS = 4  # how many ticks (at least 1 s) a stuck rank waits for the other ranks' states
 
 
@@ -52,15 +63,40 @@ class Report(NamedTuple):
     desync: bool  # every rank waits, not all in the same collective: no rank can leave
 
 
+def differ_at_one_number(states: dict[int, RankState]) -> bool:
+    """Two ranks issued different collectives (op, name or bytes) under one sequence number."""
+    known: dict[int, tuple[str, str, int]] = {}
+    for state in states.values():
+        for issued in (*state.recent, state.last, state.waiting):
+            if issued is not None and known.setdefault(issued.seq, issued[1:]) != issued[1:]:
+                return True
+    return False
+
+
+def waits_apart(states: dict[int, RankState], world_size: int) -> bool:
+    """Every rank has waited at least ``SETTLED_S`` in a collective, not all in the same one, and
+    the ranks further on show nothing of the lowest one (no sign that they passed it together)."""
+    waiting = [s.waiting for s in states.values() if s.waiting is not None and s.for_s >= SETTLED_S]
+    if len(waiting) < world_size or len({(w.seq, w.op, w.name) for w in waiting}) == 1:
+        return False
+    lowest = min(w.seq for w in waiting)
+    ahead = [s for s in states.values() if s.waiting.seq > lowest]
+    return not any(i.seq == lowest for s in ahead for i in s.recent)
+
+
 def format_report(me: int, stuck_s: float, states: dict[int, RankState], world_size: int) -> Report:
-    """The report of rank ``me``, stuck for ``stuck_s`` seconds, from the states that came back."""
+    """The report of rank ``me``, stuck for ``stuck_s`` seconds, from the states that came back
+    (see [Note: the watchdog] for when it is a desync)."""
     waiting = [s.waiting for s in states.values() if s.waiting is not None]
     everyone_waits = len(waiting) == world_size
-    desync = everyone_waits and len({(w.seq, w.op, w.name) for w in waiting}) > 1
+    desync = differ_at_one_number(states) or waits_apart(states, world_size)
     if desync:
+        mine = states[me].current() if me in states else None
+        others = [r for r, s in sorted(states.items()) if s.current() != mine]
+        where = f"rank {me} is in {mine.describe()}; " if mine is not None else ""
         verdict = (
             "the ranks are out of step (a desync): every rank must issue the same collectives in the same "
-            "order, and these never will"
+            f"order, and these never will ({where}rank(s) {', '.join(map(str, others))} are elsewhere)"
         )
     elif everyone_waits:
         verdict = "every rank waits in the same collective (a slow link, or a backend that lost a message)"
@@ -154,9 +190,10 @@ class Watchdog:
         states = board.states(request)
         while len(states) < self.comm.world_size and time.monotonic() < deadline:
             time.sleep(self.tick_s / 4)
+            self._answer(board)  # a peer stuck at the same time waits for this rank's answer
             states = board.states(request)
         report = format_report(self.comm.rank, stuck_s, states, self.comm.world_size)
-        log.warning(report.text)
+        log.info(report.text)  # printed below: a warning would print it twice without a log handler
         print(report.text, file=sys.stderr, flush=True)
         if report.desync:
             self.comm.stop_reason = report.text  # the waiting thread raises it (gloo)
@@ -166,6 +203,8 @@ class Watchdog:
         """A peer failed or is gone, and this rank is still stuck ``fault_wait_s`` later, in a wait
         that no Python code can interrupt (inside DCP, a device sync on NCCL): nothing will wake it."""
         reason = self.comm.stop_reason
+        if reason is None and board.fault_count() > 0:
+            reason = board.stop_reason()  # a desync another rank found
         if reason is None and board.fault_count() > 0:
             faults = [f for f in board.faults() if f.rank != self.comm.rank]
             reason = fault_message(faults, self.comm.rank, stuck.describe(), None) if faults else None

@@ -1,0 +1,122 @@
+"""The host side group: one small table per control collective, and the check before a collective.
+
+[Note: checked issue]
+Every rank must issue the same collectives in the same order ([Note: collective sequence numbers]
+in ``tracker.py``). When one does not (a rank skips a collective, or issues one of another size),
+gloo pairs the wrong collectives: of different sizes, its transport thread aborts the receiving
+process from C++ (``EnforceNotMet ... Received data size doesn't match expected size``, status
+-6) before any Python code runs, and when that process is rank 0 the store goes with it, so the
+peer can only say that rank 0 is gone. So on gloo every collective is checked before it is
+issued: every rank writes the collective's row (sequence number, op, payload bytes, CRC32 of its
+name) into a host table of N rows, one AllReduce of 40N bytes over a gloo *side group* makes every
+row known on every rank, and the collective is issued only when all rows are equal. Rows that
+differ are a desync, certain and seen by every rank at once: each rank publishes its collective
+(name included) on the fault board, reads the others', and raises ``CollectivesStopped`` with
+one line per rank, before anything was sent that could abort a process.
+
+The side group is a gloo group of its own, created once (collectively) by ``watch_faults``. It
+carries nothing but these tables, all of one shape, so in a desync a table always pairs with a
+table of the same size: a check never aborts. On the main group it could pair with one of
+Lightning's own collectives of another size. The per-batch agreement of signals and last batches
+(``Communicator.agree``) is such a table too, with the flags in column 0: on NCCL it costs no
+device-to-host synchronisation (the table lives on the host) and it checks the ranks' positions
+once per batch, where NCCL itself would pair mismatched collectives silently or hang.
+
+Cost on gloo: one AllReduce of 40N bytes and a host wait per collective (``CommLedger.checks``
+counts them); NCCL collectives are not checked one by one (the host would wait for its peers at
+every collective, and NCCL does not abort on sizes): the agreement and the watchdog check them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.comm.tracker import Issued, RankState
+
+OPS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "gather",
+    "barrier",
+    "agree",
+    "checkpoint",
+    "lightning",
+)  # a row's op column is the index in this tuple plus one
+FLAGS, SEQ, OP, NBYTES, NAME = range(5)  # the columns of a row
+COLUMNS = 5
+
+
+def row_of(issued: Issued, flags: int = 0) -> list[int]:
+    """The row a rank writes for ``issued`` (see [Note: checked issue])."""
+    op = OPS.index(issued.op) + 1 if issued.op in OPS else len(OPS) + 1
+    return [flags, issued.seq, op, issued.nbytes, zlib.crc32(issued.name.encode())]
+
+
+def in_step(rows: list[list[int]]) -> bool:
+    """Whether every rank's row names the same collective (flags aside)."""
+    first = rows[0][SEQ:]
+    return all(r[SEQ:] == first for r in rows[1:])
+
+
+def issued_from_row(row: list[int]) -> Issued:
+    """What a row tells of a rank's collective when its name cannot be read (its CRC32 instead)."""
+    op = OPS[row[OP] - 1] if 1 <= row[OP] <= len(OPS) else "unknown op"
+    return Issued(row[SEQ], op, f"(name CRC32 {row[NAME]:08x})", row[NBYTES])
+
+
+class SideGroup:
+    """A gloo group over the communicator's ranks and the host table its control collectives use.
+
+    Args:
+        group: the gloo process group.
+        world_size: N, the rows of the table.
+    """
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group = group  # torch ProcessGroup (gloo), for tables only
+        self.table = torch.zeros(
+            world_size, COLUMNS, dtype=torch.int64
+        )  # (N, 5), host; every use is synchronous
+        self.count = 0  # tables exchanged: equal on every rank up to a desync (they pair one to one)
+
+    @classmethod
+    def create(cls, group: Any | None, world_size: int) -> SideGroup:
+        """Collective over the default group's ranks (``group`` None) or ``group``'s ranks."""
+        if group is None:
+            return cls(dist.new_group(backend="gloo"), world_size)
+        ranks = dist.get_process_group_ranks(group)
+        return cls(dist.new_group(ranks, backend="gloo", use_local_synchronization=True), world_size)
+
+    def launch(self, rank: int, row: list[int]) -> Any:
+        """Start the exchange of this rank's ``row``; the rows are in :attr:`table` once it completed."""
+        self.count += 1
+        self.table.zero_()
+        self.table[rank] = torch.tensor(row, dtype=torch.int64)
+        return dist.all_reduce(self.table, group=self.group, async_op=True)
+
+    def rows(self) -> list[list[int]]:
+        return self.table.tolist()
+
+
+def elsewhere(rows: list[list[int]], me: int) -> list[int]:
+    """The ranks whose row names another collective than ``me``'s."""
+    return [r for r, row in enumerate(rows) if row[SEQ:] != rows[me][SEQ:]]
+
+
+def desync_report(me: int, states: dict[int, RankState], others: list[int], world_size: int) -> str:
+    """Every rank's collective where they differ; ``others``: the ranks elsewhere than ``me``."""
+    mine = states[me].waiting
+    lines = [
+        f"lightning_zero watchdog: rank {me} is in {mine.describe()}, checked before issuing it; the ranks "
+        "are out of step (a desync): every rank must issue the same collectives in the same order, and "
+        f"these never will; rank(s) {', '.join(map(str, others))} are elsewhere (nothing was sent):"
+    ]
+    for r in range(world_size):
+        lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} did not answer")
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""A desync ends on every rank, named, before gloo can abort a process (real gloo ranks).
+
+Each test puts two spawned ranks out of step on purpose and asserts what each rank ends with and
+how soon. Without the check before each collective ([Note: checked issue] in
+lightning_zero/comm/checks.py) gloo pairs the mismatched collectives: of different sizes, it
+aborts the receiving rank from C++ (status -6) and its peer names a death, not a desync (the
+first test shows it with the check turned off).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import torch
+
+from lightning_zero.comm import Communicator
+from lightning_zero.comm.watchdog import Watchdog
+from tests.distributed.fault_harness import run_ranks
+
+HOST = socket.gethostname()
+BOUND_S = 10  # every rank ends this soon after its first collective (spawn start-up excluded)
+
+
+def _comm(*, checked: bool = True, watchdog_s: float | None = None) -> Communicator:
+    comm = Communicator()
+    comm.watch_faults(fault_wait_s=2.0)
+    comm.check_issue = checked  # False: as on NCCL, where collectives are not checked one by one
+    if watchdog_s is not None:
+        Watchdog(comm, watchdog_s).start()
+    comm.all_reduce(torch.ones(4), name="warm-up", async_op=False)  # collective #2 (#1: the hosts)
+    return comm
+
+
+def _sized_all_gather(rank: int, world_size: int, checked: bool) -> str:
+    """Stage 3's all-gather of one unit, a different unit (and size) on each rank."""
+    comm = _comm(checked=checked)
+    unit, numel = ("blocks.3", 8) if rank == 0 else ("blocks.4", 12)
+    out = torch.zeros(numel * world_size)
+    comm.all_gather(out, torch.ones(numel), name=f"zero3/all_gather/unit={unit}", async_op=False)
+    return "completed"
+
+
+def test_differently_sized_all_gathers_abort_gloo_without_the_check(tmp_path):
+    """What the check prevents: gloo's C++ abort on one rank, and a death named on the other."""
+    rank0, rank1 = run_ranks(_sized_all_gather, 2, tmp_path, False, timeout=90)
+    aborted = [o for o in (rank0, rank1) if o.exitcode == -signal.SIGABRT]
+    assert aborted and "Received data size doesn't match expected size" in aborted[0].stderr, (rank0, rank1)
+
+
+def test_differently_sized_all_gathers_are_a_desync_on_every_rank(tmp_path):
+    outcomes = run_ranks(_sized_all_gather, 2, tmp_path, True, timeout=90)
+    for o in outcomes:
+        assert o.exitcode == 1, o  # no abort: left without tearing the group down
+        assert o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert "the ranks are out of step (a desync)" in o.error
+        assert f"rank 0 ({HOST}) waits in all_gather #3 zero3/all_gather/unit=blocks.3 (64 B)" in o.error
+        assert f"rank 1 ({HOST}) waits in all_gather #3 zero3/all_gather/unit=blocks.4 (96 B)" in o.error
+        other = 1 - o.rank
+        assert f"rank {o.rank} is in all_gather #3" in o.error and f"rank(s) {other} are elsewhere" in o.error
+        assert o.seconds < BOUND_S, o.seconds
+        # printed where it is seen, also when the exception is caught
+        assert f"lightning_zero watchdog: rank {o.rank} is in all_gather #3" in o.stderr
+
+
+def _skip(rank: int, world_size: int) -> str:
+    """Rank 1 skips the first bucket's all-reduce and goes on with the second one."""
+    comm = _comm()
+    if rank == 0:
+        comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=0", async_op=False)
+    comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=1", async_op=False)
+    return "completed"
+
+
+def test_a_skipped_collective_is_a_desync_on_every_rank(tmp_path):
+    outcomes = run_ranks(_skip, 2, tmp_path, timeout=90)
+    for o in outcomes:
+        assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert f"rank 0 ({HOST}) waits in all_reduce #3 zero0/all_reduce/bucket=0 (16 B)" in o.error
+        assert f"rank 1 ({HOST}) waits in all_reduce #3 zero0/all_reduce/bucket=1 (16 B)" in o.error
+        assert o.seconds < BOUND_S, o.seconds
+
+
+def _skip_unchecked(rank: int, world_size: int) -> str:
+    """As on NCCL (no check per collective): rank 1 skips bucket 0, so its bucket 1 pairs with rank
+    0's bucket 0 (same size: gloo does not mind); then rank 0 waits in bucket 1 and rank 1 in the
+    per-batch agreement, for good. The watchdog finds them apart under one sequence number."""
+    comm = _comm(checked=False, watchdog_s=1.0)
+    if rank == 0:
+        comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=0", async_op=False)
+        comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=1", async_op=False)
+    else:
+        comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=1", async_op=False)
+        comm.agree(0, name="zero0/agree/batch", device=torch.device("cpu"))
+    return "completed"
+
+
+def test_an_unchecked_desync_is_found_by_the_watchdog_on_every_rank(tmp_path):
+    outcomes = run_ranks(_skip_unchecked, 2, tmp_path, timeout=90)
+    for o in outcomes:
+        assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert "the ranks are out of step (a desync)" in o.error
+        assert f"rank 0 ({HOST}) waits in all_reduce #4 zero0/all_reduce/bucket=1 (16 B)" in o.error
+        assert f"rank 1 ({HOST}) waits in agree #4 zero0/agree/batch (80 B)" in o.error
+        assert o.seconds < BOUND_S, o.seconds
+
+
+def _slow_peer(rank: int, world_size: int) -> float:
+    """Rank 1 computes for 3.5 s before every one of its two all-reduces (the watchdog at 0.5 s)."""
+    comm = _comm(watchdog_s=0.5)
+    total = 0.0
+    for bucket in range(2):
+        if rank == 1:
+            time.sleep(3.5)
+        t = torch.ones(4)
+        comm.all_reduce(t, name=f"zero0/all_reduce/bucket={bucket}", async_op=False)
+        total += float(t.sum())
+    return total
+
+
+def test_a_slow_rank_is_never_a_desync(tmp_path):
+    """Seven times the watchdog's time, twice: reported as slow each time, never stopped."""
+    rank0, rank1 = run_ranks(_slow_peer, 2, tmp_path, timeout=90)
+    assert (rank0.result, rank1.result) == (16.0, 16.0) and (rank0.exitcode, rank1.exitcode) == (0, 0)
+    assert rank0.stderr.count("some ranks are not in a collective: they are slow") >= 2, rank0.stderr
+    assert "desync" not in rank0.stderr + rank1.stderr
+    assert rank0.seconds >= 7.0
