@@ -33,8 +33,10 @@ def programs(draw: st.DrawFn) -> Program:
     backward_error = manual > 0 and draw(st.booleans())
     checkpointing = draw(st.sampled_from(["none", "nonreentrant", "reentrant"]))
     optimizer = draw(st.sampled_from(["sgd", "adamw"]))
-    # bf16 with SGD only: Adam's normalised step turns bf16 rounding into lr-sized differences
-    precision = draw(st.sampled_from(["32-true", "bf16-mixed"])) if optimizer == "sgd" else "32-true"
+    # bf16 with SGD and automatic optimization only: Adam's normalised step, and several manual
+    # steps per batch at this learning rate, turn bf16 rounding into differences above the tolerance
+    bf16_ok = optimizer == "sgd" and manual == 0
+    precision = draw(st.sampled_from(["32-true", "bf16-mixed"])) if bf16_ok else "32-true"
     return Program(
         blocks=blocks,
         tie=draw(st.sampled_from(["none", "root", "across"] if blocks > 1 else ["none", "root"])),
