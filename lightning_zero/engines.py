@@ -103,6 +103,7 @@ class Engine:
                 group["params"] = [self.masters.get(id(p), p) for p in group["params"]]
         sync = self.wrapped.sync
         sync.on_reduced = self._grads_to_masters
+        sync.drop_on_abort = True  # see [Note: a backward that raised] in grad_sync/reducer.py
         if not sync.attach_views:  # the master gradients are the bucket slots themselves
             sync.consumed = lambda i: self.masters[id(sync.params[i])].grad is None
 

@@ -72,7 +72,9 @@ whichever comes first, and aborts: it waits for every collective the failed back
 rank raised at the same place, so they match), discards their results and resets its per-backward
 state, so the next backward is a fresh one. What the failed backward accumulated is a partial
 gradient, as in plain PyTorch: stage 0 leaves it in ``.grad`` (buckets already sent hold their
-average over ranks) for the user's ``zero_grad``; stages 1-2 drop what their buckets hold (the
+average over ranks) for the user's ``zero_grad`` (under a policy the optimizer steps fp32 masters,
+whose ``zero_grad`` cannot reach the parameters' bucket views: there it is dropped, as if the
+user had cleared it, ``drop_on_abort``); stages 1-2 drop what their buckets hold (the
 parameters' ``.grad`` are bucket views no optimizer sees), while the shard gradients keep what was
 handed on before, which the optimizer's ``zero_grad`` clears. Parameters marked used only by the
 failed backward are unmarked (``find_unused_parameters``).
@@ -224,6 +226,7 @@ class GradReducer:
         self.attach_views = stage <= 1 and all(reduce_dtype in (None, p.dtype) for p in self.params)
         self.honours_no_sync = stage <= 1 or accumulate_unsharded  # no_sync skips the collectives
         self.on_reduced: Callable[[], None] | None = None  # called after each synchronised backward
+        self.drop_on_abort = False  # stage 0 under a policy: a raised backward's gradients are dropped
         self.consumed: Callable[[int], bool] | None = None  # stage 0 added slots: consumer dropped it
         self.spaces: list[FlatParameter] | None = None  # stages 1-2: bucket -> its shard's flat space
         self.sync_enabled = True  # False inside no_sync()
@@ -597,6 +600,10 @@ class GradReducer:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()  # every rank raised at the same place: the collectives match
+        if self.stage == 0 and self.drop_on_abort and not in_backward:
+            # the optimizer steps fp32 masters, whose zero_grad cannot reach these: drop them here
+            for p in self.params:
+                p.grad = None
         if self.stage >= 1:
             if not in_backward:
                 self._on_raise()

@@ -34,6 +34,11 @@ REGRESSIONS = {
     "bf16_weight_averaging_copied_in_at_train_end": Program(
         precision="bf16-mixed", lightning_callbacks=True, sharded_checkpoint=True, validate=True
     ),
+    # zero0 under bf16-mixed: the caught backward's partial gradients stayed in the bf16 buckets,
+    # which the user's zero_grad (over the fp32 masters) could not clear, and were added to the next
+    "bf16_zero0_error_caught_inside_backward": Program(
+        blocks=1, manual=1, backward_error=True, precision="bf16-mixed"
+    ),
     "seed_corpus_reentrant_twice_adapter": Program(
         blocks=3,
         twice=True,
