@@ -345,7 +345,7 @@ def misuse(root: str) -> dict[str, Any]:
     fabric = make_fabric(3)
     model = fabric.setup_module(FabricNet(Case()))
     optimizer = fabric.setup_optimizers(make_optimizer(model.parameters(), "sgd"))
-    fabric.backward(model(*batch(0, fabric.global_rank)))  # the first use wraps the model
+    fabric.backward(model(*batch(0, fabric.global_rank)))  # training begins: the set of optimizers closes
     late = make_optimizer(torch.nn.Linear(2, 2).parameters(), "sgd")
     out["late optimizer"] = _raised(lambda: fabric.setup_optimizers(late))
     out["second model"] = _raised(lambda: fabric.setup(FabricNet(Case())))
