@@ -18,20 +18,25 @@ turns it into a full file without a process group.
 The package: ``format.py`` (names, CheckpointError, Piece, what unpickling may run: [Note: what
 loading runs]), ``dcp_metadata.py`` (DCP's index read through an allow-list), ``layout.py`` (who
 holds what), ``full.py`` and ``sharded.py`` / ``sharded_load.py`` (the two forms), ``files.py``
-(partial and previous siblings, publishing), ``integrity.py`` (checksums), ``consolidate.py``.
+(partial and previous siblings, publishing), ``integrity.py`` (checksums), ``agree.py`` (decisions
+every rank takes together), ``disk.py`` (room to write: folders checked at setup, the space a save
+needs, a failed write named), ``consolidate.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
+from lightning_zero.checkpoint.agree import agreed, attempt
 from lightning_zero.checkpoint.consolidate import Consolidated, consolidate
+from lightning_zero.checkpoint.disk import CheckpointWriteError, check_writable
 from lightning_zero.checkpoint.files import fallbacks, remove, remove_stale_partials, resolve
 from lightning_zero.checkpoint.format import (
     DCP_METADATA_FILE,
@@ -78,21 +83,25 @@ from lightning_zero.comm import Communicator
 log = logging.getLogger(__name__)
 CheckpointError.__module__ = __name__  # raised and shown as lightning_zero.checkpoint.CheckpointError
 UnsafeCheckpointError.__module__ = __name__
+CheckpointWriteError.__module__ = __name__
 
 __all__ = [
     "DCP_METADATA_FILE",
     "FORMAT",
     "FORMAT_VERSION",
     "LAYOUT_KEY",
+    "LoadedCheckpoint",
     "META_FILE",
     "MODEL_PREFIX",
     "WEIGHTS_ONLY_DROPS",
     "CheckpointError",
+    "CheckpointWriteError",
     "Consolidated",
     "Piece",
     "ShardedModelState",
     "ShardedOptimizerState",
     "UnsafeCheckpointError",
+    "check_writable",
     "consolidate",
     "fallbacks",
     "gather_optimizer_state",
@@ -126,32 +135,51 @@ def read(
     entries, with stand-ins for the model and optimizer states, which are read later, each rank
     its own part (checked first: see :func:`inspect_sharded`). ``verify``: against the checksums
     recorded when it was written ([Note: checkpoint checksums]); with ``comm`` every rank takes
-    part (the sharded form's files are checked one rank each, the verdict shared).
+    part (the sharded form's files and the full form's streamed records are checked split over the
+    ranks). Every rank ends alike: each rank's reading is agreed before anything else ([Note:
+    agreed checkpoint decisions] in ``agree.py``), so a read that fails on one rank raises on all.
 
     Nothing in the checkpoint runs unless ``weights_only=False`` says the caller trusts it: a
     global off the allow-list is an :class:`UnsafeCheckpointError` ([Note: what loading runs])."""
     trusted = weights_only is False  # None (Lightning's default) loads weights only, remote files too
+    loaded, error = attempt(lambda: _read_here(path, checkpoint_io, trusted, verify), where=path)
+    agreed(comm, error, what=f"reading the checkpoint {path}", name="checkpoint/read")
+    checkpoint, share = loaded
+    if verify:
+        _shared_verdict(comm, share, path)
+    return checkpoint
+
+
+Share = Callable[[int, int], None]  # (rank, world size) -> None; raises what that rank's share finds
+
+
+def _read_here(
+    path: Any, checkpoint_io: CheckpointIO, trusted: bool, verify: bool
+) -> tuple[dict, Share | None]:
+    """What this rank reads alone, checked as far as one rank checks it; and the check split over
+    the ranks that follows (None: nothing left to check)."""
     if "://" in str(path):
-        return _verified_full(_read_full_or_refuse(str(path), checkpoint_io, trusted), path, verify)
+        return _verified_full(_read_full_or_refuse(str(path), checkpoint_io, trusted), path, verify), None
     p = resolve(path)
     if not p.is_dir():
         if verify:
             verify_zip_records(p, only_pickle=True)
         checkpoint = _read_full_or_refuse(p, checkpoint_io, trusted)
-        if verify and by_records(checkpoint):
-            _shared_verdict(comm, lambda rank, world: verify_records(p, rank=rank, world_size=world))
-        return _verified_full(checkpoint, p, verify)
+        records = verify and by_records(checkpoint)
+        checkpoint = _verified_full(checkpoint, p, verify)  # every tensor with a CRC of its own
+        return checkpoint, (
+            lambda rank, world: verify_records(p, rank=rank, world_size=world)
+        ) if records else None
     meta, metadata = inspect_sharded(p, trusted=trusted)
     layout = meta.pop(LAYOUT_KEY)
-    if verify:
-        _verify_shards(p, metadata, layout.get("checksums"), comm)
+    record = layout.get("checksums")
     meta["state_dict"] = ShardedModelState(p, layout, metadata, trusted=trusted)
     if layout["optimizers"] is not None:
         meta["optimizer_states"] = [
             ShardedOptimizerState(p, layout, metadata, i, trusted=trusted)
             for i in range(len(layout["optimizers"]))
         ]
-    return meta
+    return meta, lambda rank, world: verify_sharded(p, metadata, record, set(files_of(metadata)[rank::world]))
 
 
 def _read_full_or_refuse(path: Any, checkpoint_io: CheckpointIO, trusted: bool) -> dict[str, Any]:
@@ -176,25 +204,33 @@ def _verified_full(checkpoint: dict[str, Any], source: Any, verify: bool) -> dic
     return checkpoint
 
 
-def _verify_shards(path: Path, metadata: Any, record: Any, comm: Communicator | None) -> None:
-    """Each rank checks every N-th shard file; one verdict for all (a control collective)."""
-    _shared_verdict(
-        comm, lambda rank, world: verify_sharded(path, metadata, record, set(files_of(metadata)[rank::world]))
-    )
-
-
-def _shared_verdict(comm: Communicator | None, check: Any) -> None:
-    """``check(rank, world_size)`` on every rank, each its share; the first error raised on all."""
+def _shared_verdict(comm: Communicator | None, share: Share | None, path: Any) -> None:
+    """``share(rank, world_size)`` on every rank (each checks its part; None: nothing to check), then
+    one verdict for all (a control collective): the first damage found is raised on every rank."""
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
-    error = None
-    try:
-        check(rank, world)
-    except CheckpointError as err:
-        error = str(err)
-    errors = comm.all_gather_object(error, name="checkpoint/verify") if comm is not None else [error]
-    found = next((e for e in errors if e), None)
-    if found is not None:
-        raise CheckpointError(found)
+    _, error = attempt(lambda: share(rank, world) if share is not None else None, where=path)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    errors = comm.all_gather_object(mine, name="checkpoint/verify") if comm is not None else [mine]
+    found = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if found is None:
+        return
+    if error is not None:
+        raise error
+    raise CheckpointError(f"{found[1].split(': ', 1)[1]} (found by rank {found[0]})")
+
+
+class LoadedCheckpoint(dict):
+    """A checkpoint dict as :func:`read_or_fallback` returns it, with the path it was read from."""
+
+    def __init__(self, entries: dict[str, Any], loaded_from: str, requested: str) -> None:
+        super().__init__(entries)
+        self.loaded_from = loaded_from  # the checkpoint actually read (a fallback's, if it fell back)
+        self.requested = requested  # the checkpoint asked for
+
+    @property
+    def fell_back(self) -> bool:
+        """Another checkpoint than the one asked for was loaded (a fallback)."""
+        return self.loaded_from != self.requested
 
 
 def read_or_fallback(
@@ -204,12 +240,16 @@ def read_or_fallback(
     *,
     comm: Communicator | None = None,
     verify: bool = True,
-) -> dict[str, Any]:
+) -> LoadedCheckpoint:
     """:func:`read`, or, when ``path`` is missing or damaged, the first intact checkpoint of
-    :func:`fallbacks` with a warning that names both; every rank takes the same decision. A
-    refused object (:class:`UnsafeCheckpointError`) is not damage: it is raised, never fallen back from."""
+    :func:`fallbacks` with a warning that names both; ``loaded_from`` says which was read. Every
+    rank takes the same decision: each read's outcome is agreed first (a read that fails on one
+    rank only falls back on all). A refused object (:class:`UnsafeCheckpointError`) is not damage:
+    it is raised, never fallen back from."""
     try:
-        return read(path, checkpoint_io, weights_only, comm=comm, verify=verify)
+        return LoadedCheckpoint(
+            read(path, checkpoint_io, weights_only, comm=comm, verify=verify), str(path), str(path)
+        )
     except UnsafeCheckpointError:
         raise
     except (CheckpointError, FileNotFoundError) as err:
@@ -230,7 +270,7 @@ def read_or_fallback(
                     f"{path} cannot be loaded ({err}); loading the previous intact checkpoint {candidate} "
                     f"(step {checkpoint.get('global_step')}) instead"
                 )
-            return checkpoint
+            return LoadedCheckpoint(checkpoint, str(candidate), str(path))
         raise
 
 

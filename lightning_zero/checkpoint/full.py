@@ -29,8 +29,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.disk import CheckpointWriteError, needed_bytes, room_for, write_failed
 from lightning_zero.checkpoint.files import (
     _publish,
+    _remove,
     _sibling,
     _size,
     _write_synced,
@@ -82,34 +84,109 @@ def save_full(
     """
     local = type(checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
     streamed = engine is not None and contains_streamed(checkpoint)
-    items = (
-        comm.broadcast_object(plan(checkpoint), name="checkpoint/plan", device=_device(engine))
-        if streamed
-        else []
-    )
+    needed = needed_bytes(checkpoint) if comm.rank == 0 else 0
+    error = _prepare(Path(path), needed) if local and comm.rank == 0 else None
+    items: list = []
+    if streamed:  # the plan and whether rank 0 can write, before any gather
+        items, error = comm.broadcast_object(
+            (plan(checkpoint), error), name="checkpoint/plan", device=_device(engine)
+        )
+        if error is not None:
+            raise CheckpointWriteError(error)
     gather = functools.partial(_gather_space, engine, comm) if streamed else None
-    if not local:
+    if error is None and not local:
         if streamed:
             checkpoint = _materialize(checkpoint, engine, comm, gather, items)
         if comm.rank == 0:
-            checkpoint = on_host(checkpoint)
-            add_full_checksums(checkpoint)  # see [Note: checkpoint checksums]
-            checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-    else:
-        partial = _sibling(Path(path), "partial")
+            error = _save_through(checkpoint, path, checkpoint_io, storage_options, needed)
+    elif error is None:
         if comm.rank == 0:
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_partials(partial.parent)
             add_full_checksums(checkpoint)  # the stand-ins: by their zip records
-        if streamed:
-            write_streamed(checkpoint, partial, comm, engine.param_spaces(), gather, items)
+        error = _write_local(checkpoint, Path(path), comm, engine, gather, items, needed, keep_previous)
+    errors = comm.all_gather_object(error, name="checkpoint/published")  # every rank: saved, or the error
+    if errors[0] is not None:
+        raise CheckpointWriteError(errors[0])
+
+
+def _prepare(path: Path, needed: int) -> str | None:
+    """Rank 0, before writing ``path``: its folder made, leftovers removed, room for ``needed``
+    bytes checked ([Note: a save that cannot be written] in ``disk.py``); the error, or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path.parent)
+    except OSError as err:
+        return write_failed(path, needed, err)
+    return room_for(path, needed)
+
+
+def _save_through(
+    checkpoint: dict[str, Any], path: Any, checkpoint_io: CheckpointIO, options: Any, needed: int
+) -> str | None:
+    """Rank 0: the whole dict, on the host with its checksums, to another CheckpointIO; the error's
+    message, or None."""
+    try:
+        checkpoint = on_host(checkpoint)
+        add_full_checksums(checkpoint)  # see [Note: checkpoint checksums]
+        checkpoint_io.save_checkpoint(checkpoint, path, storage_options=options)
+    except Exception as err:
+        return write_failed(path, needed, err)
+    return None
+
+
+def _write_local(
+    checkpoint: dict[str, Any],
+    path: Path,
+    comm: Communicator,
+    engine: Any,
+    gather: Any,
+    items: list,
+    needed: int,
+    keep_previous: bool,
+) -> str | None:
+    """Rank 0 writes ``.NAME.partial`` and publishes it; the other ranks send their shards for the
+    streamed tensors. A write that fails on rank 0 removes the partial file and goes on with the
+    gathers (the ranks stay in step); returns the error's message (rank 0), or None."""
+    partial = _sibling(path, "partial")
+    done, counted = _counting(gather)
+    try:
+        if gather is not None:
+            write_streamed(checkpoint, partial, comm, engine.param_spaces(), counted, items)
             if comm.rank == 0:
                 _fsync(partial)
         elif comm.rank == 0:
             _write_synced(on_host(checkpoint), partial)
         if comm.rank == 0:
-            _publish(partial, Path(path), keep_previous=keep_previous)
-    comm.barrier(name="checkpoint/barrier/published")
+            _publish(partial, path, keep_previous=keep_previous)
+    except Exception as err:
+        if comm.rank != 0 or done.gathering:
+            raise  # a collective failed: the fault reporting names the rank (docs/failures.md)
+        for space, what in items[done.count :]:
+            gather(space, what)  # sent on by the others all the same
+        _remove(partial)
+        return write_failed(path, needed, err)
+    return None
+
+
+class _Gathered:
+    """How far a streamed write got: gathers completed, and whether one is under way."""
+
+    def __init__(self) -> None:
+        self.count = 0  # gathers completed
+        self.gathering = False  # a gather (a collective) is under way
+
+
+def _counting(gather: Any) -> tuple[_Gathered, Any]:
+    done = _Gathered()
+    if gather is None:
+        return done, None
+
+    def counted(space: int, what: Any) -> Any:
+        done.gathering = True
+        out = gather(space, what)
+        done.gathering, done.count = False, done.count + 1
+        return out
+
+    return done, counted
 
 
 def on_host(obj: Any) -> Any:

@@ -136,35 +136,66 @@ def _read_through(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
 
 
 def verify_records(path: Path, *, rank: int = 0, world_size: int = 1) -> None:
-    """The zip CRC of every ``rank``-th storage record of a torch.save file (those written while
-    gathered carry no CRC of their own in the pickle); else a CheckpointError naming the tensor."""
+    """The zip CRC of every ``rank``-th storage record of a torch.save file that needs it (those
+    written while gathered carry no CRC of their own in the pickle; a record all of whose tensors
+    have their own CRC in the file's checksum entry is left to :func:`verify_full`, which names the
+    tensor among several that share one record, a flat buffer's views); else a CheckpointError
+    naming the tensor(s) the damaged record holds."""
     with zipfile.ZipFile(path) as archive:
+        held, covered = _record_tensors(archive)
         records = [
-            i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")
+            i
+            for i in archive.infolist()
+            if "/data/" in i.filename
+            and not i.filename.endswith(".pkl")
+            and not (held.get(_key(i.filename)) and set(held[_key(i.filename)]) <= covered)
         ]
         for info in records[rank::world_size]:
             try:
                 _read_through(archive, info)
             except zipfile.BadZipFile as err:
                 raise CheckpointError(
-                    f"{path} is damaged: tensor {_tensor_of(archive, info.filename)} (record {info.filename}) "
+                    f"{path} is damaged: {_named(held.get(_key(info.filename), []))} (record {info.filename}) "
                     f"does not match its checksum ({err}). The file changed after it was written (disk, copy "
                     "or transfer); load an earlier checkpoint"
                 ) from err
 
 
+def _key(filename: str) -> str:
+    return filename.rsplit("/", 1)[-1]
+
+
+def _named(paths: list[str]) -> str:
+    """``tensor a`` or, for a record several tensors share, ``tensors a, b (one storage record)``."""
+    if not paths:
+        return "tensor ?"
+    if len(paths) == 1:
+        return f"tensor {paths[0]}"
+    more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+    return f"tensors {', '.join(paths[:4])}{more} (one storage record)"
+
+
 def _tensor_of(archive: zipfile.ZipFile, filename: str) -> str:
-    """The path in the checkpoint dict of the tensor stored in record ``filename`` ("?" if unknown)."""
-    key = filename.rsplit("/", 1)[-1]
+    """The path(s) in the checkpoint dict of the tensor(s) stored in record ``filename`` ("?" if unknown)."""
+    return ", ".join(_record_tensors(archive)[0].get(_key(filename), [])) or "?"
+
+
+def _record_tensors(archive: zipfile.ZipFile) -> tuple[dict[str, list[str]], set[str]]:
+    """The paths in the checkpoint dict of the tensors stored in each record (by record key), and
+    those with a CRC32 of their own in the file's checksum entry; empty if the pickle cannot be walked."""
     pickled = next((i.filename for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
     if pickled is None:
-        return "?"
-
+        return {}, set()
     try:
         obj = _Keys(io.BytesIO(archive.read(pickled))).load()
     except Exception:  # a pickle that cannot be walked here: name the record only
-        return "?"
-    return next((p for p, k in tensors_in(obj, leaf=_StorageKey) if k == key), "?")
+        return {}, set()
+    held: dict[str, list[str]] = {}
+    for p, k in tensors_in(obj, leaf=_StorageKey):
+        held.setdefault(str(k), []).append(p)
+    record = obj.get(INTEGRITY_KEY) if isinstance(obj, Mapping) else None
+    tensors = record.get("tensors") if isinstance(record, Mapping) else None
+    return held, set(tensors) if isinstance(tensors, Mapping) else set()
 
 
 class _StorageKey(str):

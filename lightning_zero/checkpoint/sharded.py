@@ -31,8 +31,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.dcp_metadata import CheckedReader, read_dcp_metadata
+from lightning_zero.checkpoint.disk import (
+    CheckpointWriteError,
+    free_bytes,
+    needed_bytes,
+    room_for,
+    write_failed,
+)
 from lightning_zero.checkpoint.files import (
     _publish,
+    _remove,
     _sibling,
     _size,
     _write_synced,
@@ -165,20 +173,78 @@ def save_sharded(
                 items[f"{_optimizer_prefix(i)}{name}.{sname}"] = value
     layout = {**layout, "optimizers": None if optimizers is None else [o["param_groups"] for o in optimizers]}
     partial = _sibling(path, "partial")
-    if comm.rank == 0:
-        remove_stale_partials(path.parent)
-        partial.mkdir(parents=True)
-    comm.barrier(name="checkpoint/barrier/partial")
-    metadata = comm.save_checkpoint_items(
-        items, FileSystemWriter(partial), _SavePlanner(), name="checkpoint/save/shards"
-    )
+    needed = _ready_to_write(items, path, partial, comm)
+    try:
+        metadata = comm.save_checkpoint_items(
+            items, FileSystemWriter(partial), _SavePlanner(), name="checkpoint/save/shards"
+        )
+    except CheckpointException as err:  # a write failed on some rank; DCP told every rank
+        if comm.rank == 0:
+            _remove(partial)
+        raise CheckpointWriteError(_failed_write(err, path, needed, comm)) from err
     mine = {f for f in files_of(metadata) if f.startswith(f"__{comm.rank}_")}
-    chunks = comm.all_gather_object(shard_checksums(partial, metadata, mine), name="checkpoint/checksums")
+    sums, error = _attempt_io(lambda: shard_checksums(partial, metadata, mine), path, needed)
+    chunks = comm.all_gather_object((sums, error), name="checkpoint/checksums")
+    error = next((e for _, e in chunks if e), None)
+    if error is None and comm.rank == 0:
+        layout["checksums"] = sharded_record(partial, {k: v for part, _ in chunks for k, v in part.items()})
+        _, error = _attempt_io(
+            lambda: _finish(checkpoint, layout, partial, path, keep_previous), path, needed
+        )
+    if error is not None and comm.rank == 0:
+        _remove(partial)
+    errors = comm.all_gather_object(error, name="checkpoint/published")  # every rank: saved, or the error
+    if any(errors):
+        raise CheckpointWriteError(next(e for e in errors if e))
+
+
+def _ready_to_write(items: dict[str, Any], path: Path, partial: Path, comm: Communicator) -> int:
+    """Rank 0 makes ``.NAME.partial``; every rank learns whether it could, and whether the bytes all
+    ranks will write fit in the space free there ([Note: a save that cannot be written] in
+    ``disk.py``): all go on, or all raise before anything is written. Returns the bytes needed."""
+    error, free, mine = None, None, needed_bytes(items, whole=comm.rank == 0)
     if comm.rank == 0:
-        layout["checksums"] = sharded_record(partial, {k: v for part in chunks for k, v in part.items()})
-        _write_synced({**checkpoint, LAYOUT_KEY: layout}, partial / META_FILE)
-        _publish(partial, path, keep_previous=keep_previous)
-    comm.barrier(name="checkpoint/barrier/published")
+        try:
+            remove_stale_partials(path.parent)
+            partial.mkdir(parents=True)
+        except OSError as err:
+            error = write_failed(path, mine, err)
+        free = free_bytes(path.parent)
+    shares = comm.all_gather_object((mine, error, free), name="checkpoint/partial")
+    needed = sum(n for n, _, _ in shares)
+    error = shares[0][1] or room_for(path, needed, free=shares[0][2])
+    if error is not None:
+        if comm.rank == 0:
+            _remove(partial)
+        raise CheckpointWriteError(error)
+    return needed
+
+
+def _finish(
+    checkpoint: dict[str, Any], layout: dict[str, Any], partial: Path, path: Path, keep: bool
+) -> None:
+    """Rank 0: meta.pt written into the partial directory, which is then published."""
+    _write_synced({**checkpoint, LAYOUT_KEY: layout}, partial / META_FILE)
+    _publish(partial, path, keep_previous=keep)
+
+
+def _attempt_io(step: Any, path: Path, needed: int) -> tuple[Any, str | None]:
+    """``step()``'s value and None, or an empty dict and the message of its failure (an OSError, or
+    torch's zip writer's RuntimeError: the ranks must stay in step whatever it was)."""
+    try:
+        return step(), None
+    except Exception as err:
+        return {}, write_failed(path, needed, err)
+
+
+def _failed_write(err: CheckpointException, path: Path, needed: int, comm: Communicator) -> str:
+    """The message every rank raises for a DCP write that failed: the first failing rank's own
+    account (its errno, its file size limit), shared in one control collective."""
+    failure = err.failures.get(comm.rank)
+    mine = write_failed(path, needed, failure[0]) if failure is not None else None
+    messages = comm.all_gather_object(mine, name="checkpoint/write_failed")
+    first = next((m for m in messages if m), None) or write_failed(path, needed, err)
+    return f"{first} (the write failed on rank(s) {', '.join(map(str, sorted(err.failures)))})"
 
 
 class ShardedModelState:

@@ -1,0 +1,192 @@
+"""Integrity errors name the damaged tensor, also among the views of one flat buffer (a stage 1-2
+bucket: one storage record holds many parameters), and a fall-back says which file was loaded,
+down to Lightning's own "Restored all states from the checkpoint at ..." line.
+
+Before: a flip in a zero2 full file was named by the first tensor of the flat record
+(``net.inp.weight``) although the damaged one was ``net.body.0.0.weight``, and after a fall-back
+Lightning still said it had restored ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero import checkpoint as C
+from lightning_zero.checkpoint.integrity import INTEGRITY_KEY, add_full_checksums, verify_records
+from lightning_zero.comm import Communicator
+from tests.integration.test_checkpoint_resume import LitResume
+from tests.unit.test_checkpoint_integrity import _flip, _record_data_offset, _save_full
+
+IO = TorchCheckpointIO()
+
+
+class Net(nn.Module):
+    """``inp`` first, ``body.0.0`` second: the order a bucket lays them out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.Sequential(nn.Linear(16, 16)))
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        params = list(self.parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in params])  # 1D, one storage for all
+        offset = 0
+        for p in params:
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.flat = flat
+
+
+def _flat_file(path: Path) -> tuple[dict, Flat]:
+    """A full file as a stage-2 save writes one: the model's parameters views of one flat buffer,
+    an optimizer state written while gathered (checked by its zip record alone)."""
+    model = Flat()
+    checkpoint = {
+        "global_step": 3,
+        "state_dict": model.state_dict(),
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.full((16, 8), 0.5)}}, "param_groups": []}],
+    }
+    add_full_checksums(checkpoint)
+    record = checkpoint[INTEGRITY_KEY]
+    record["records"] = ["optimizer_states/0/state/0/exp_avg"]  # as a Streamed stand-in is recorded
+    del record["tensors"]["optimizer_states/0/state/0/exp_avg"]
+    torch.save(checkpoint, path)
+    return checkpoint, model
+
+
+def _flip_at(path: Path, model: Flat, tensor: torch.Tensor) -> None:
+    """Flip 8 bytes inside ``tensor``, a view of the model's flat buffer, in the file."""
+    raw = model.flat.numpy().tobytes()
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and archive.read(i) == raw)
+    start = (tensor.storage_offset() + tensor.numel() // 2) * tensor.element_size()
+    _flip(path, _record_data_offset(path, info) + start, count=8)
+
+
+def test_a_flip_in_a_flat_record_names_the_damaged_tensor_not_the_first_of_the_record(tmp_path):
+    path = tmp_path / "last.ckpt"
+    _, model = _flat_file(path)
+    assert C.read(path, IO)["global_step"] == 3  # intact
+    _flip_at(path, model, model.net.body[0][0].weight)
+    with pytest.raises(C.CheckpointError) as caught:
+        C.read(path, IO)
+    message = str(caught.value)
+    assert "tensor state_dict/net.body.0.0.weight does not match its checksum" in message
+    assert "net.inp.weight" not in message  # the first tensor of the record, which is intact
+    assert "(1 of 4 tensors differ)" in message
+
+
+def test_a_record_without_checksums_of_its_own_names_every_tensor_it_holds(tmp_path):
+    """A plain torch.save file (no checksum entry): the zip CRC says which record is damaged, and
+    every tensor stored in it is named, not the first one alone."""
+    path = tmp_path / "plain.ckpt"
+    model = Flat()
+    torch.save({"state_dict": model.state_dict()}, path)
+    verify_records(path)  # intact
+    _flip_at(path, model, model.net.body[0][0].bias)
+    with pytest.raises(C.CheckpointError) as caught:
+        verify_records(path)
+    assert (
+        "tensors state_dict/net.inp.weight, state_dict/net.inp.bias, state_dict/net.body.0.0.weight, "
+        "state_dict/net.body.0.0.bias (one storage record)" in str(caught.value)
+    )
+
+
+def test_a_streamed_record_is_still_named_by_its_tensor(tmp_path):
+    path = tmp_path / "last.ckpt"
+    checkpoint, _ = _flat_file(path)
+    exp_avg = checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]
+    data = bytearray(path.read_bytes())
+    at = data.find(exp_avg.numpy().tobytes())
+    data[at + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(C.CheckpointError, match=r"tensor optimizer_states/0/state/0/exp_avg \(record"):
+        C.read(path, IO)
+
+
+def test_read_or_fallback_says_which_file_it_loaded(tmp_path, caplog):
+    path = tmp_path / "last.ckpt"
+    _save_full(path, step=1)
+    loaded = C.read_or_fallback(path, IO)
+    assert loaded.loaded_from == str(path) and not loaded.fell_back
+    second = _save_full(path, step=2)
+    weight = second["state_dict"]["emb.weight"]
+    data = bytearray(path.read_bytes())
+    at = data.find(weight.numpy().tobytes()[:64])
+    data[at + 32] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        loaded = C.read_or_fallback(path, IO, comm=Communicator())
+    assert loaded["global_step"] == 1 and loaded.fell_back
+    assert loaded.loaded_from == str(tmp_path / ".last.ckpt.previous")
+    assert f"loading the previous intact checkpoint {tmp_path / '.last.ckpt.previous'}" in caplog.text
+
+
+class NamingStrategy(ZeroStrategy):
+    """ZeroStrategy with the call site that makes Lightning name the file it loaded after a fall-back
+    (what lightning_zero/strategy.py's load_checkpoint does with it)."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if isinstance(checkpoint, C.LoadedCheckpoint) and checkpoint.fell_back:
+            self.lightning_module.trainer._checkpoint_connector._ckpt_path = checkpoint.loaded_from
+        return checkpoint
+
+
+class StartStep(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step  # where the fit began: the restored checkpoint's step
+
+
+def _fit(root: Path, epochs: int, ckpt_path=None) -> StartStep:
+    started = StartStep()
+    trainer = Trainer(
+        strategy=NamingStrategy(stage=1),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=root, filename="last", save_top_k=-1, enable_version_counter=False),
+            started,
+        ],
+        default_root_dir=root,
+    )
+    trainer.fit(LitResume(), ckpt_path=ckpt_path)
+    started.ckpt_path = trainer.ckpt_path
+    return started
+
+
+def test_lightning_names_the_checkpoint_it_restored_after_a_fall_back(tmp_path, caplog):
+    assert _fit(tmp_path, epochs=2).step == 0  # last.ckpt twice: the first kept as .last.ckpt.previous
+    last, previous = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.previous"
+    assert previous.exists()
+    data = bytearray(last.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    last.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO):
+        started = _fit(tmp_path, epochs=3, ckpt_path=str(last))
+    assert f"Restored all states from the checkpoint at {previous}" in caplog.text
+    assert f"Restored all states from the checkpoint at {last}" not in caplog.text
+    assert started.ckpt_path == str(previous)
+    assert started.step == 6  # resumed from the first epoch's end (6 steps an epoch), not from scratch
