@@ -12,6 +12,9 @@ $(STAMP): setup.cfg constraints.txt pyproject.toml
 	# torch first and pinned: an open range would fetch a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	# litgpt's own GPT for tests/fabric/test_litgpt.py: without its command-line and download
+	# requirements (only these two small packages are needed to import litgpt.model)
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt litgpt safetensors psutil
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -78,7 +78,9 @@ def make_strategy(args: argparse.Namespace) -> object:
         return args.strategy
     stage = names[args.strategy]
     options = {"wrap_policy": Block} if stage == 3 else {}
-    return lightning_zero.fabric.ZeroStrategy(stage=stage, state_dict_type=args.state_dict_type, **options)
+    return lightning_zero.fabric.ZeroFabricStrategy(
+        stage=stage, state_dict_type=args.state_dict_type, **options
+    )
 
 
 def set_up(fabric: L.Fabric, data: CharDataModule, args: argparse.Namespace) -> dict:

@@ -59,11 +59,11 @@ def _register_strategies() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from lightning_zero.fabric import ZeroFabricStrategy
     from lightning_zero.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
-    FabricZeroStrategy.register_strategies(STRATEGY_REGISTRY)
+    ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def _imported_by_the_command() -> bool:

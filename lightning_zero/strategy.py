@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
 from lightning_zero.checkpoint.hooks import to_sharded_state
+from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator, is_distributed
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
@@ -345,12 +346,8 @@ class ZeroStrategy(DDPStrategy):
         if engine is None and self._config.state_dict_type == "full":
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
-        inner = self.optimizers[index]
-        if self._config.state_dict_type == "sharded":
-            return checkpoints.sharded_optimizer_state(self.lightning_module, engine, inner, index)
-        if engine.sharded:
-            return checkpoints.streamed_optimizer_state(engine, inner, index)
-        return engine.optimizer_state(inner, index)
+        sharded = self._config.state_dict_type == "sharded"
+        return optimizer_state(self.lightning_module, engine, self.optimizers[index], index, sharded=sharded)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -385,13 +382,9 @@ class ZeroStrategy(DDPStrategy):
         return state
 
     def _full_form_state(self, engine: Engine | None) -> dict[str, Any]:
-        if engine is not None:
-            engine.take_back()  # see [Note: taking back parameter changes] in engines.py
-        if engine is not None and engine.streams_values:
-            return checkpoints.streamed_model_state(self.lightning_module, engine)
-        if self._engine is None:
+        if engine is None:
             return super().lightning_module_state_dict()
-        return self._engine.module_state_dict(self.lightning_module)
+        return model_state(self.lightning_module, engine, sharded=False)
 
     @property
     @override

@@ -1,5 +1,5 @@
 """The strategies in Lightning Fabric: ``L.Fabric(strategy="zero3", ...)`` or
-``L.Fabric(strategy=lightning_zero.fabric.ZeroStrategy(stage=3, ...))``.
+``L.Fabric(strategy=lightning_zero.fabric.ZeroFabricStrategy(stage=3, ...))``.
 
 Importing ``lightning_zero`` registers ``zero0`` .. ``zero3`` (and their ``_spawn``/``_fork`` forms)
 in Fabric's strategy registry as well as in the Trainer's. The Fabric glue (``strategy.py``) calls
@@ -10,6 +10,10 @@ a full file under the user's own keys, as Fabric's DDP writes it, and a sharded 
 Trainer's layout; both load in Fabric and in the Trainer.
 """
 
-from lightning_zero.fabric.strategy import ZeroStrategy
+from lightning_zero.fabric.strategy import ZeroFabricStrategy
 
-__all__ = ["ZeroStrategy"]
+ZeroStrategy = (
+    ZeroFabricStrategy  # the name earlier releases used; the Trainer's is lightning_zero.ZeroStrategy
+)
+
+__all__ = ["ZeroFabricStrategy", "ZeroStrategy"]

@@ -1,4 +1,4 @@
-"""ZeroStrategy for Lightning Fabric: the Fabric glue over the engines the Trainer's glue uses.
+"""ZeroFabricStrategy: ZeRO for Lightning Fabric: the Fabric glue over the engines the Trainer's glue uses.
 
 [Note: set up together or apart]
 ``fabric.setup(model, optimizer, ...)`` gives the model and its optimizers at once and the engine
@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
+from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
@@ -53,7 +54,7 @@ from lightning_zero.precision import resolve_policy, training_precision
 from lightning_zero.zero.optimizer import check_shardable, shard_optimizer_in_place
 
 
-class ZeroStrategy(DDPStrategy, _Sharded):
+class ZeroFabricStrategy(DDPStrategy, _Sharded):
     """ZeRO data parallelism in Lightning Fabric: ``L.Fabric(strategy="zero3", ...)``.
 
     The same stages, options, engines and checkpoint formats as the Trainer's
@@ -161,13 +162,13 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         """Lay ``optimizer`` onto the model's flat spaces (see [Note: set up together or apart])."""
         if self._engine is None:
             raise RuntimeError(
-                "ZeroStrategy: set up the model before its optimizers (model = fabric.setup(model), "
+                "ZeroFabricStrategy: set up the model before its optimizers (model = fabric.setup(model), "
                 "then optimizer = fabric.setup_optimizers(optimizer)), or both at once: "
                 "model, optimizer = fabric.setup(model, optimizer)"
             )
         if self._closed and self._engine.needs_optimizers_first:
             raise RuntimeError(
-                f"ZeroStrategy(stage={self._config.stage}) already laid out the model's shards and trained with "
+                f"ZeroFabricStrategy(stage={self._config.stage}) already laid out the model's shards and trained with "
                 f"the {len(self._optimizers)} optimizer(s) set up before training began (the model's first "
                 "forward, or no_backward_sync); it cannot shard another one. Set up every optimizer before "
                 "that: fabric.setup_optimizers(opt1, opt2) right after fabric.setup(model), or "
@@ -185,7 +186,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         """The engine for ``module`` and the precision plugin to train with (nothing wrapped yet)."""
         if self._module is not None:
             raise RuntimeError(
-                f"ZeroStrategy sets up one model per Fabric; {type(self._module).__name__} is set up already. "
+                f"ZeroFabricStrategy sets up one model per Fabric; {type(self._module).__name__} is set up already. "
                 "Put the models into one nn.Module, or give each its own Fabric"
             )
         cfg = self._config
@@ -221,7 +222,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         """The engine of the model set up."""
         if self._engine is None:
             raise RuntimeError(
-                "ZeroStrategy has no model yet: set it up first with fabric.setup(model, optimizer)"
+                "ZeroFabricStrategy has no model yet: set it up first with fabric.setup(model, optimizer)"
             )
         return self._engine
 
@@ -488,20 +489,10 @@ class ZeroStrategy(DDPStrategy, _Sharded):
         return fstate.Roles(model, optimizers, schedulers)
 
     def _model_state(self, sharded: bool) -> dict[str, Any]:
-        engine = self._ready()
-        if sharded:
-            return checkpoints.sharded_model_state(self._module, engine)
-        if engine.streams_values:  # written while gathered (see [Note: streamed full checkpoints])
-            return checkpoints.streamed_model_state(self._module, engine)
-        return engine.module_state_dict(self._module)
+        return model_state(self._module, self._ready(), sharded=sharded)
 
     def _optimizer_state(self, optimizer: Optimizer, index: int, sharded: bool) -> dict[str, Any]:
-        engine = self._ready()
-        if sharded:
-            return checkpoints.sharded_optimizer_state(self._module, engine, optimizer, index)
-        if engine.sharded:
-            return checkpoints.streamed_optimizer_state(engine, optimizer, index)
-        return engine.optimizer_state(optimizer, index)
+        return optimizer_state(self._module, self._ready(), optimizer, index, sharded=sharded)
 
     @override
     def load_checkpoint(
@@ -638,7 +629,7 @@ class ZeroStrategy(DDPStrategy, _Sharded):
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model, enabled)``: the engine's no_sync on the model set up here."""
 
-    def __init__(self, strategy: ZeroStrategy) -> None:
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
         self._strategy = strategy
 
     @override
@@ -647,7 +638,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
             return nullcontext()
         if not self._strategy._owns(module):
             raise TypeError(
-                "no_backward_sync needs the model that ZeroStrategy set up (the object fabric.setup returned), "
+                "no_backward_sync needs the model that ZeroFabricStrategy set up (the object fabric.setup returned), "
                 f"got a {type(module).__name__}"
             )
         return self._strategy.no_sync()

@@ -24,7 +24,7 @@ from lightning.pytorch import Callback, Trainer
 
 import lightning_zero  # noqa: F401  (registers zero0..zero3 for the Trainer and for Fabric)
 from lightning_zero import ZeroStrategy as TrainerZeroStrategy
-from lightning_zero.fabric import ZeroStrategy
+from lightning_zero.fabric import ZeroFabricStrategy as ZeroStrategy
 from tests.matrix.lit import BATCH, MICRO_BATCHES, WORLD, Case, MatrixModule, Tokens
 
 BLOCK = "tests.matrix.lit.Block"

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import lightning_zero  # noqa: F401  (registers zero0..zero3 for Fabric)
-from lightning_zero.fabric import ZeroStrategy
+from lightning_zero.fabric import ZeroFabricStrategy as ZeroStrategy
 from tests.fabric.jobs import _guard, _raised
 from tests.matrix.lit import DIM, Block
 

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 import lightning_zero  # noqa: F401  (registers zero0..zero3 for Fabric)
-from lightning_zero.fabric import ZeroStrategy
+from lightning_zero.fabric import ZeroFabricStrategy as ZeroStrategy
 from tests.bigmodel.lit import Net, Rows, Shape
 from tests.matrix.runner import run_jobs
 

@@ -288,11 +288,11 @@ def test_fp16_loss_scale_agreed_saved_and_loaded(runs):
 def test_unsupported_uses_say_what_to_do(runs):
     out = _ok(runs, ("misuse",))[0]
     expected = {
-        "late optimizer": "RuntimeError: ZeroStrategy(stage=3) already laid out the model's shards",
-        "second model": "RuntimeError: ZeroStrategy sets up one model per Fabric",
+        "late optimizer": "RuntimeError: ZeroFabricStrategy(stage=3) already laid out the model's shards",
+        "second model": "RuntimeError: ZeroFabricStrategy sets up one model per Fabric",
         "norm type": "ValueError: norm_type='inf': stage 3 clips by the 2-norm",
         "no model saved": "ValueError: the state holds no model set up by this strategy",
-        "another Fabric's model": "TypeError: no_backward_sync needs the model that ZeroStrategy set up",
+        "another Fabric's model": "TypeError: no_backward_sync needs the model that ZeroFabricStrategy set up",
         "one of two optimizers": "ValueError: the state holds 1 of the 2 optimizers set up",
         "sharded without state": "CheckpointError:",
         "key clash": "KeyError:",

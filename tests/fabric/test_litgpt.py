@@ -5,11 +5,12 @@
 
 litgpt is not a dependency of this package. Its import needs only two small packages beyond those
 installed here (its other requirements - tokenizers, huggingface-hub, jsonargparse - serve its
-command line and downloads), so install it without them::
+command line and downloads), so ``make install`` (and so ``make test``) installs it without them,
+at the versions in constraints.txt::
 
-    .venv/bin/pip install --no-deps litgpt safetensors psutil
+    .venv/bin/pip install --no-deps -c constraints.txt litgpt safetensors psutil
 
-Without litgpt the test is skipped and says so. Tolerance: 1e-5 on fp32 parameters after 4 AdamW
+Without litgpt (another way of installing) the test is skipped and says so. Tolerance: 1e-5 on fp32 parameters after 4 AdamW
 steps against Fabric's DDP (the same mean gradient, summed in other groupings).
 """
 

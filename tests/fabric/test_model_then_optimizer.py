@@ -175,7 +175,7 @@ def test_optimizers_set_up_after_the_model_say_what_is_wrong(runs):
     assert out["foreign"].startswith("ValueError: the SGD holds 2 parameter(s) that are not the model's"), out
     assert out["twice"].startswith("ValueError: this SGD is set up already"), out
     assert out["late"].startswith(
-        "RuntimeError: ZeroStrategy(stage=3) already laid out the model's shards"
+        "RuntimeError: ZeroFabricStrategy(stage=3) already laid out the model's shards"
     ), out
     assert out["after a load"] == "nothing raised", out
 

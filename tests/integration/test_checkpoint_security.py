@@ -88,7 +88,7 @@ def _fabric_load_planted(fabric, root: Path, form: str) -> None:
 def test_fabric_load_of_a_planted_checkpoint_runs_nothing_and_every_rank_names_it(tmp_path, form):
     from lightning.fabric import Fabric
 
-    from lightning_zero.fabric import ZeroStrategy
+    from lightning_zero.fabric import ZeroFabricStrategy as ZeroStrategy
 
     strategy = ZeroStrategy(stage=2, state_dict_type=form, start_method="fork")
     Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_fabric_load_planted, tmp_path, form)
