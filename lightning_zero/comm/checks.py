@@ -23,8 +23,11 @@ device-to-host synchronisation (the table lives on the host) and it checks the r
 once per batch, where NCCL itself would pair mismatched collectives silently or hang.
 
 Cost on gloo: one AllReduce of 40N bytes and a host wait per collective (``CommLedger.checks``
-counts them); NCCL collectives are not checked one by one (the host would wait for its peers at
-every collective, and NCCL does not abort on sizes): the agreement and the watchdog check them.
+counts them). A rank that waits in a check for a slower rank waits there instead of in the
+collective, so that time is added to the ledger's waits under the collective's op, as exposed
+communication, the same as the collective's own wait would have been. NCCL collectives are not
+checked one by one (the host would wait for its peers at every collective, and NCCL does not
+abort on sizes): the agreement and the watchdog check them.
 """
 
 from __future__ import annotations

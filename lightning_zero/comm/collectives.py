@@ -293,7 +293,7 @@ class Communicator:
         else:
             self.ledger.record(op, name, payload_bytes, self.world_size)
         issued = self.tracker.issue(op, name, payload_bytes)
-        self._check(issued)
+        self._check(issued, timed_as=None if control else op)
         with torch.profiler.record_function(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
@@ -310,13 +310,17 @@ class Communicator:
 
     # -- checked issue (see [Note: checked issue] in ``checks.py``) --------------------------------
 
-    def _check(self, issued: Issued) -> None:
-        """On gloo, before ``issued`` is launched: every rank is about to issue the same collective."""
-        if self.check_issue and self.side is not None:
-            self.ledger.record_check(
-                self.side.table.numel() * self.side.table.element_size(), self.world_size
-            )
-            self._exchange(issued, 0)
+    def _check(self, issued: Issued, *, timed_as: str | None = None) -> None:
+        """On gloo, before ``issued`` is launched: every rank is about to issue the same collective.
+        The time it blocks (a rank waiting here for a slower one) is exposed communication, added
+        to the ledger under ``timed_as`` as ``Handle.wait`` adds its own (None: not timed)."""
+        if not self.check_issue or self.side is None:
+            return
+        self.ledger.record_check(self.side.table.numel() * self.side.table.element_size(), self.world_size)
+        start = time.perf_counter()
+        self._exchange(issued, 0)
+        if timed_as is not None:
+            self.ledger.add_wait(timed_as, time.perf_counter() - start)
 
     def _exchange(self, issued: Issued, flags: int) -> list[list[int]]:
         """Every rank's row (``flags`` and its collective) on every rank, over the side group;
@@ -609,7 +613,7 @@ class Communicator:
         self._check_can_issue(name)
         self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
         issued = self.tracker.issue(op, name, payload_bytes)
-        self._check(issued)
+        self._check(issued, timed_as=op)
         with torch.profiler.record_function(name):
             work = launch()
         self.tracker.launched(issued, work)

@@ -60,7 +60,7 @@ ANSWER_WAIT_TICKS = 4  # how many ticks (at least 1 s) a stuck rank waits for th
 
 class Report(NamedTuple):
     text: str  # printed on the stuck ranks
-    desync: bool  # every rank waits, not all in the same collective: no rank can leave
+    desync: bool  # the ranks are out of step (see [Note: the watchdog]): no rank can leave
 
 
 def differ_at_one_number(states: dict[int, RankState]) -> bool:

@@ -173,7 +173,9 @@ def _seconds_after_fault(tmp_path: Path, **options: Any) -> tuple[list[RankRun],
     runs = finish_all(ranks, timeout=150)
     faults = [float(t) for run in runs for t in re.findall(r"at wall (\d+\.\d+)", run.output)]
     assert faults, runs[0].output[-4000:]
-    return runs, [wall_at_start + run.seconds - min(faults) for run in runs]
+    after = [wall_at_start + run.seconds - min(faults) for run in runs]
+    print(f"seconds from the fault to each rank's exit: {', '.join(f'{t:.1f}' for t in after)}")
+    return runs, after
 
 
 def _printed_report(output: str) -> str:
