@@ -1,0 +1,146 @@
+"""glibc's malloc tuned for training on CPU, so that freed tensors go back to the system.
+
+[Note: why the CPU allocator is tuned]
+torch allocates CPU tensors with glibc's ``malloc``. By default glibc serves a request of at least
+``M_MMAP_THRESHOLD`` (128 KiB at start) with its own ``mmap``, returned to the system on ``free``,
+and anything smaller from its heap arenas. The threshold is dynamic: each time a mapped block is
+freed, the threshold rises to that block's size (up to 32 MiB on 64-bit), and the trim threshold
+to twice that. After the first few freed gradient buckets, gathered units or activations, blocks
+of that size come from the heap, and a freed heap block is returned only when it lies at the top
+of the heap and the free space there exceeds the trim threshold. A sharded stage frees a unit's
+gathered parameters or a bucket's full gradient as soon as it is used, but the process keeps the
+pages, so its resident memory (what a user sees: RSS, ``top``, the job's memory limit) stays at
+the unsharded high-water mark. ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment fixes this,
+and :func:`tune_cpu_allocator` applies the same setting through ``mallopt`` so that the user
+sets nothing: a fixed threshold (which also turns the dynamic adjustment off) and a fixed trim
+threshold. Allocations below the threshold (small tensors, Python objects) stay in the arenas.
+
+It is applied once per process, on Linux with glibc only (musl, macOS and Windows have other
+allocators: nothing is done there), only when the strategy trains on CPU (the CUDA caching
+allocator is tuned with ``PYTORCH_CUDA_ALLOC_CONF``, see docs/benchmarks.md), and never over a
+setting the user made: a parameter named in the environment (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, or ``GLIBC_TUNABLES``' ``glibc.malloc.*``) is left as the user set it.
+``ZeroConfig(cpu_allocator="default")`` leaves glibc's defaults alone. Processes forked later
+inherit the setting with the allocator's state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from lightning_zero.config import CPU_ALLOCATOR_MODES  # "tuned" | "default"
+
+M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's <malloc.h>
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 64 * 1024  # bytes: blocks at least this large are mmapped and unmapped on free
+TRIM_THRESHOLD = 128 * 1024  # bytes of free heap top kept before it is returned (glibc's start value)
+
+
+class Setting(NamedTuple):
+    """One ``mallopt`` parameter the tuning may set."""
+
+    name: str  # glibc's macro name, as in <malloc.h>
+    param: int  # the mallopt parameter number
+    value: int  # bytes
+    env: str  # the environment variable through which a user sets it instead
+    tunable: str  # its GLIBC_TUNABLES name
+
+
+SETTINGS = (
+    Setting(
+        "M_MMAP_THRESHOLD",
+        M_MMAP_THRESHOLD,
+        MMAP_THRESHOLD,
+        "MALLOC_MMAP_THRESHOLD_",
+        "glibc.malloc.mmap_threshold",
+    ),
+    Setting(
+        "M_TRIM_THRESHOLD",
+        M_TRIM_THRESHOLD,
+        TRIM_THRESHOLD,
+        "MALLOC_TRIM_THRESHOLD_",
+        "glibc.malloc.trim_threshold",
+    ),
+)
+
+
+class AllocatorState(NamedTuple):
+    """What :func:`tune_cpu_allocator` did in this process."""
+
+    applied: dict[str, int]  # mallopt parameter name -> bytes set
+    skipped: dict[str, str]  # mallopt parameter name -> why it was left alone
+    reason: str  # why nothing was applied; "" when something was
+
+
+_state: AllocatorState | None = None  # this process's tuning, once done (a forked child inherits it)
+
+
+def tune_cpu_allocator(mode: str = "tuned", *, device_type: str = "cpu") -> AllocatorState:
+    """Apply the CPU allocator setting of [Note: why the CPU allocator is tuned], once per process.
+
+    Args:
+        mode: ``"tuned"`` applies it; ``"default"`` leaves glibc's defaults.
+        device_type: the device the strategy trains on; anything but ``"cpu"`` changes nothing.
+
+    Returns:
+        What was set, what was left to the user's environment, or why nothing was done. A second
+        call in the same process returns the first call's state and changes nothing.
+    """
+    global _state
+    if mode not in CPU_ALLOCATOR_MODES:
+        raise ValueError(f"cpu_allocator must be one of {list(CPU_ALLOCATOR_MODES)}, got {mode!r}")
+    if _state is not None:
+        return _state
+    reason = _why_not(mode, device_type)
+    if reason:
+        return AllocatorState({}, {}, reason)  # nothing done: a later call on CPU may still tune
+    _state = _apply(ctypes.CDLL(None), os.environ)
+    return _state
+
+
+def _why_not(mode: str, device_type: str) -> str:
+    if mode == "default":
+        return "cpu_allocator='default'"
+    if device_type != "cpu":
+        return f"training on {device_type}, not on the CPU"
+    if not sys.platform.startswith("linux"):
+        return f"not Linux ({sys.platform})"
+    if glibc_version() is None:
+        return "the C library is not glibc"
+    return ""
+
+
+def _apply(libc: ctypes.CDLL, environ: Mapping[str, str]) -> AllocatorState:
+    """Call ``mallopt`` for every setting the user did not make in ``environ``."""
+    applied: dict[str, int] = {}
+    skipped: dict[str, str] = {}
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    for setting in SETTINGS:
+        if setting.env in environ or f"{setting.tunable}=" in tunables:
+            skipped[setting.name] = f"set by the environment ({setting.env} or GLIBC_TUNABLES)"
+        elif libc.mallopt(ctypes.c_int(setting.param), ctypes.c_int(setting.value)) == 1:
+            applied[setting.name] = setting.value
+        else:
+            skipped[setting.name] = "mallopt refused it"
+    return AllocatorState(applied, skipped, "" if applied else "every setting was left alone")
+
+
+def glibc_version() -> str | None:
+    """glibc's version (``"2.36"``) when this process runs on glibc, else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return None
+    version.restype = ctypes.c_char_p
+    return version().decode()
+
+
+def cpu_allocator_state() -> AllocatorState | None:
+    """The tuning done in this process (or inherited from the process it was forked from), if any."""
+    return _state
