@@ -488,8 +488,7 @@ class ZeroStrategy(DDPStrategy):
         if not is_distributed():
             yield
             return
-        tracker = self.comm.tracker
-        with tracker.blocked_in(tracker.issue("lightning", name, 0)):
+        with self.comm.tracked(name):  # numbered, checked before it starts, known to the watchdog
             yield
 
     @override

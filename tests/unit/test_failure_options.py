@@ -43,7 +43,7 @@ def test_defaults():
     assert (cfg.handle_signals, cfg.nonfinite_grads, cfg.watchdog_s, cfg.fault_wait_s) == (
         True,
         "off",
-        None,
+        60.0,
         3.0,
     )
     assert (cfg.keep_previous_checkpoint, cfg.verify_checkpoints, cfg.ledger_records) == (True, True, 4096)
