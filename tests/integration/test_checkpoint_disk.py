@@ -12,10 +12,12 @@ read-only folder was found at the first save.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import resource
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -258,28 +260,41 @@ class ProbingStrategy(ZeroStrategy):
 
 
 class CountSteps(Callback):
-    steps = 0
+    def __init__(self) -> None:
+        self.steps = 0  # training batches started
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        CountSteps.steps += 1
+        self.steps += 1
+
+
+def _fit_into(root: str) -> dict:
+    """In a process of its own (a fit leaves threads behind that a later forked rank would inherit)."""
+    torch.set_num_threads(1)
+    steps = CountSteps()
+    trainer = Trainer(
+        strategy=ProbingStrategy(stage=2, state_dict_type="sharded"),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[steps],
+        default_root_dir=Path(root) / "run",
+    )
+    try:
+        trainer.fit(LitResume())
+    except C.CheckpointError as err:
+        return {"error": f"{type(err).__name__}: {err}", "steps": steps.steps}
+    return {"error": None, "steps": steps.steps}
 
 
 def test_a_fit_into_a_read_only_folder_stops_at_setup(tmp_path):
     with tmpfs(tmp_path / "ro", "ro", "size=1m") as ro:
-        trainer = Trainer(
-            strategy=ProbingStrategy(stage=2, state_dict_type="sharded"),
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            limit_val_batches=0,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[CountSteps()],
-            default_root_dir=ro / "run",
-        )
-        with pytest.raises(
-            C.CheckpointWriteError, match=r"cannot write checkpoints in .*read-only file system"
-        ):
-            trainer.fit(LitResume())
-    assert CountSteps.steps == 0  # before the first step, not at the first save
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            out = pool.submit(_fit_into, str(ro)).result(timeout=300)
+    assert out["error"].startswith(
+        f"CheckpointWriteError: cannot write checkpoints in {ro / 'run'} (to be created in {ro}): read-only"
+    ), out
+    assert out["steps"] == 0  # before the first step, not at the first save

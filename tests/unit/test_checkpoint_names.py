@@ -10,7 +10,9 @@ Lightning still said it had restored ``last.ckpt``.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import zipfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,7 +156,7 @@ class StartStep(Callback):
         self.step = trainer.global_step  # where the fit began: the restored checkpoint's step
 
 
-def _fit(root: Path, epochs: int, ckpt_path=None) -> StartStep:
+def _fit(root: Path, epochs: int, ckpt_path=None) -> dict:
     started = StartStep()
     trainer = Trainer(
         strategy=NamingStrategy(stage=1),
@@ -172,21 +174,40 @@ def _fit(root: Path, epochs: int, ckpt_path=None) -> StartStep:
         default_root_dir=root,
     )
     trainer.fit(LitResume(), ckpt_path=ckpt_path)
-    started.ckpt_path = trainer.ckpt_path
-    return started
+    return {"step": started.step, "ckpt_path": trainer.ckpt_path}
 
 
-def test_lightning_names_the_checkpoint_it_restored_after_a_fall_back(tmp_path, caplog):
-    assert _fit(tmp_path, epochs=2).step == 0  # last.ckpt twice: the first kept as .last.ckpt.previous
-    last, previous = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.previous"
-    assert previous.exists()
+def _fall_back_in_a_fit(root: str) -> dict:
+    """In a process of its own: a fit leaves threads and a process group behind, which a later test
+    that forks its ranks would inherit (a forked child then waits on a lock held by a thread)."""
+    torch.set_num_threads(1)
+    root = Path(root)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("lightning.pytorch").addHandler(handler)  # Lightning's own: it does not propagate
+    first = _fit(root, epochs=2)  # last.ckpt twice: the first kept as .last.ckpt.previous
+    last, previous = root / "last.ckpt", root / ".last.ckpt.previous"
+    kept = previous.exists()
     data = bytearray(last.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     last.write_bytes(bytes(data))
-    with caplog.at_level(logging.INFO):
-        started = _fit(tmp_path, epochs=3, ckpt_path=str(last))
-    assert f"Restored all states from the checkpoint at {previous}" in caplog.text
-    assert f"Restored all states from the checkpoint at {last}" not in caplog.text
-    assert started.ckpt_path == str(previous)
-    assert started.step == 6  # resumed from the first epoch's end (6 steps an epoch), not from scratch
+    lines.clear()
+    resumed = _fit(root, epochs=3, ckpt_path=str(last))
+    return {"first": first, "kept": kept, "resumed": resumed, "log": "\n".join(lines)}
+
+
+def test_lightning_names_the_checkpoint_it_restored_after_a_fall_back(tmp_path):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        out = pool.submit(_fall_back_in_a_fit, str(tmp_path)).result(timeout=300)
+    last, previous = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.previous"
+    assert out["first"]["step"] == 0 and out["kept"]
+    assert f"Restored all states from the checkpoint at {previous}" in out["log"], out["log"]
+    assert f"Restored all states from the checkpoint at {last}" not in out["log"]
+    assert f"loading the previous intact checkpoint {previous}" in out["log"]
+    assert out["resumed"]["ckpt_path"] == str(previous)
+    assert (
+        out["resumed"]["step"] == 6
+    )  # resumed from the first epoch's end (6 steps an epoch), not from scratch
