@@ -10,10 +10,14 @@ of that size come from the heap, and a freed heap block is returned only when it
 of the heap and the free space there exceeds the trim threshold. A sharded stage frees a unit's
 gathered parameters or a bucket's full gradient as soon as it is used, but the process keeps the
 pages, so its resident memory (what a user sees: RSS, ``top``, the job's memory limit) stays at
-the unsharded high-water mark. ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment fixes this,
-and :func:`tune_cpu_allocator` applies the same setting through ``mallopt`` so that the user
-sets nothing: a fixed threshold (which also turns the dynamic adjustment off) and a fixed trim
-threshold. Allocations below the threshold (small tensors, Python objects) stay in the arenas.
+the unsharded high-water mark. :func:`tune_cpu_allocator` fixes the threshold through
+``mallopt`` (which also turns the dynamic adjustment off) and resets the trim threshold, so that
+the user sets nothing. The threshold is 4 MiB, not the 64 KiB of ``MALLOC_MMAP_THRESHOLD_=65536``:
+a mapped block costs a system call and fresh page faults each time it is made, and with 64 KiB
+every activation of a step is one (+15-20% CPU time per step on the 17.9M GPT of
+docs/benchmarks.md, against none measurable at 4 MiB). Buckets, gathered units, gradient
+buffers and large parameters are mapped and returned; activations and tensors below 4 MiB stay
+in the arenas, where the next step reuses them.
 
 It is applied once per process, on Linux with glibc only (musl, macOS and Windows have other
 allocators: nothing is done there), only when the strategy trains on CPU (the CUDA caching
@@ -37,8 +41,9 @@ from lightning_zero.config import CPU_ALLOCATOR_MODES  # "tuned" | "default"
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
 
-MMAP_THRESHOLD = 64 * 1024  # bytes: blocks at least this large are mmapped and unmapped on free
+MMAP_THRESHOLD = 4 * 1024 * 1024  # bytes: blocks at least this large are mmapped and unmapped on free
 TRIM_THRESHOLD = 128 * 1024  # bytes of free heap top kept before it is returned (glibc's start value)
+# (the dynamic adjustment may have raised it to 2x the largest freed block before the tuning runs)
 
 
 class Setting(NamedTuple):

@@ -111,11 +111,12 @@ class ZeroConfig:
             CRC32 recorded when it was written, when loading; a mismatch is a CheckpointError
             naming the file and the tensor.
         cpu_allocator: training on CPU under Linux with glibc: ``"tuned"`` sets glibc's malloc so
-            that freed tensors go back to the system (a fixed 64 KiB mmap threshold and a fixed
-            trim threshold, as ``MALLOC_MMAP_THRESHOLD_=65536`` would), so that the memory a
-            stage frees shows in the process's resident size; ``"default"`` leaves glibc's
-            defaults. Settings the user made in the environment are kept either way; nothing
-            changes on GPUs or other C libraries (lightning_zero/allocator.py).
+            that freed blocks of 4 MiB and more (buckets, gathered units, gradient buffers) go
+            back to the system (a fixed mmap threshold and trim threshold through ``mallopt``),
+            so that the memory a stage frees shows in the process's resident size;
+            ``"default"`` leaves glibc's defaults. Settings the user made in the environment are
+            kept either way; nothing changes on GPUs or other C libraries
+            (lightning_zero/allocator.py).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP

@@ -27,7 +27,10 @@ class FakeLibc:
 def test_sets_a_fixed_mmap_and_trim_threshold():
     libc = FakeLibc()
     state = _apply(libc, {})
-    assert libc.calls == [(-3, 65536), (-1, 131072)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD of <malloc.h>
+    assert libc.calls == [
+        (-3, 4 * 2**20),
+        (-1, 128 * 2**10),
+    ]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD of <malloc.h>
     assert state.applied == {"M_MMAP_THRESHOLD": MMAP_THRESHOLD, "M_TRIM_THRESHOLD": TRIM_THRESHOLD}
     assert state.skipped == {} and state.reason == ""
 
