@@ -64,11 +64,16 @@ def _kept_on_meta(module: nn.Module | None) -> Generator[None, None, None]:
         del module.cpu
 
 
-def _clear_stale_partials(trainer: pl.Trainer) -> None:
-    """What interrupted saves left (``.NAME.partial``) in the run's checkpoint folders."""
+def _checkpoint_folders(trainer: pl.Trainer) -> list[str]:
+    """The folders the run writes checkpoints in: the root folder and every checkpoint callback's."""
     folders = {str(trainer.default_root_dir)}
     folders |= {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-    for folder in sorted(folders):
+    return sorted(folders)
+
+
+def _clear_stale_partials(trainer: pl.Trainer) -> None:
+    """What interrupted saves left (``.NAME.partial``) in the run's checkpoint folders."""
+    for folder in _checkpoint_folders(trainer):
         for stale in checkpoints.remove_stale_partials(folder):
             log.info(f"removed {stale}, left by a save that did not finish")
 
@@ -229,6 +234,9 @@ class ZeroStrategy(DDPStrategy):
             if not self._sharded_after_fit:
                 broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
         self._watch_faults()
+        if fitting:  # a read-only or missing folder is named now, not at the first save
+            sharded = self._config.state_dict_type == "sharded"
+            checkpoints.check_writable(_checkpoint_folders(trainer), self.comm, every_rank=sharded)
         self._boundary = StepBoundary(self.comm, f"zero{self._config.stage}")
         self._boundary.install(trainer, handle_signals=self._config.handle_signals)
         if self.is_global_zero:
@@ -429,9 +437,13 @@ class ZeroStrategy(DDPStrategy):
         """A full file, or a sharded directory's entries with stand-ins that each rank reads later;
         checked against its checksums, the previous intact one if it is damaged (docs/checkpoints.md)."""
         path, verify = self._shared_path(checkpoint_path), self._config.verify_checkpoints
-        return checkpoints.read_or_fallback(
+        checkpoint = checkpoints.read_or_fallback(
             path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify
         )
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if checkpoint.fell_back and trainer is not None:  # Lightning's "Restored all states" names it
+            trainer._checkpoint_connector._ckpt_path = checkpoint.loaded_from
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -246,17 +246,7 @@ def test_a_write_that_fails_midway_removes_its_partial_and_keeps_the_previous(tm
         assert sorted(p.name for p in (root / form).iterdir()) == ["last.ckpt"], form
 
 
-# --------------------------------------------------------------------------- the strategy's call site
-
-
-class ProbingStrategy(ZeroStrategy):
-    """ZeroStrategy with the setup call that finds a read-only folder before the first step (what
-    lightning_zero/strategy.py's setup does with check_writable)."""
-
-    def setup(self, trainer) -> None:
-        folders = {trainer.default_root_dir, *(cb.dirpath for cb in trainer.checkpoint_callbacks)}
-        C.check_writable(folders, self.comm, every_rank=self._config.state_dict_type == "sharded")
-        super().setup(trainer)
+# --------------------------------------------------------------------------- found at setup
 
 
 class CountSteps(Callback):
@@ -272,7 +262,7 @@ def _fit_into(root: str) -> dict:
     torch.set_num_threads(1)
     steps = CountSteps()
     trainer = Trainer(
-        strategy=ProbingStrategy(stage=2, state_dict_type="sharded"),
+        strategy=ZeroStrategy(stage=2, state_dict_type="sharded"),  # its setup probes the folders
         accelerator="cpu",
         devices=1,
         max_epochs=1,

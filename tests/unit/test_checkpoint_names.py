@@ -140,17 +140,6 @@ def test_read_or_fallback_says_which_file_it_loaded(tmp_path, caplog):
     assert f"loading the previous intact checkpoint {tmp_path / '.last.ckpt.previous'}" in caplog.text
 
 
-class NamingStrategy(ZeroStrategy):
-    """ZeroStrategy with the call site that makes Lightning name the file it loaded after a fall-back
-    (what lightning_zero/strategy.py's load_checkpoint does with it)."""
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None):
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        if isinstance(checkpoint, C.LoadedCheckpoint) and checkpoint.fell_back:
-            self.lightning_module.trainer._checkpoint_connector._ckpt_path = checkpoint.loaded_from
-        return checkpoint
-
-
 class StartStep(Callback):
     def on_train_start(self, trainer, pl_module):
         self.step = trainer.global_step  # where the fit began: the restored checkpoint's step
@@ -159,7 +148,7 @@ class StartStep(Callback):
 def _fit(root: Path, epochs: int, ckpt_path=None) -> dict:
     started = StartStep()
     trainer = Trainer(
-        strategy=NamingStrategy(stage=1),
+        strategy=ZeroStrategy(stage=1),  # its load_checkpoint names the file a fall-back loaded
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
