@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
+from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator, is_distributed
@@ -220,6 +221,12 @@ class ZeroStrategy(DDPStrategy):
         if self._comm is None:
             self._comm = Communicator(ledger=self._ledger)
         return self._comm
+
+    @override
+    def setup_environment(self) -> None:
+        """Before the model exists: the CPU allocator setting (see ``allocator.py``), then DDP's."""
+        tune_cpu_allocator(self._config.cpu_allocator, device_type=self.root_device.type)
+        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
