@@ -13,10 +13,27 @@ weights (``fabric.load_raw``, ``fabric.load``) may come before or after. The set
 when training begins (the model's first forward, or ``no_backward_sync``): gradients and optimizer
 steps are laid out for the optimizers known then, so one set up later is an error that says so.
 Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
+
+[Note: failures in a Fabric loop]
+The Trainer tells the strategy that fit raised (``on_exception``); Fabric has no such hook, so the
+strategy finds the exception itself, in the two places a user's error surfaces: ``sys.excepthook``
+(a script launched by Fabric's default launcher, which re-runs it per rank, or by torchrun or srun;
+installed once the process group exists, chained to the previous hook and restored at teardown),
+and its own multiprocessing launcher (``start_method`` spawn, fork or forkserver: the user's function
+runs in :meth:`_ReportingLauncher._wrapping_function`, inside torch's wrapper, which would otherwise
+send the error to the parent process and exit). Either way the failing rank publishes its failure
+as the Trainer's does (``lightning_zero.faults.on_fit_exception``; the step is the ledger's, the
+number of optimizer steps taken), so that its peers raise ``PeerFailure`` with its message, then
+waits for them (:func:`_wait_until_read`), and leaves without destroying the process group. It leaves
+last because every launcher ends the other ranks once one exits with an error (torch's spawn at
+once, Fabric's re-run launcher within 5 s, torchrun): its peers must have had their say first.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+import traceback
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -29,6 +46,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.init import _EmptyInit
@@ -41,9 +59,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
+from lightning_zero import faults
 from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator
+from lightning_zero.comm.collectives import POLL_S
+from lightning_zero.comm.faults import StoreUnreachable, process_exists
+from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
 from lightning_zero.fabric import state as fstate
@@ -111,6 +133,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._closed = False  # training began: the optimizers set up so far are all the model has
         self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
         self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
+        self._watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
+        self._hook: _FailureHook | None = None  # sys.excepthook while the strategy is active
+        self._failed = False  # user code raised on this rank: teardown runs no collective
 
     @property
     def config(self) -> ZeroConfig:
@@ -137,6 +162,50 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def optimizers(self) -> list[Optimizer]:
         """The optimizers set up with the model, in the order of their checkpoint entries."""
         return list(self._optimizers)
+
+    # -- the processes ---------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":  # see [Note: failures in a Fabric loop]
+            self._launcher = _ReportingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        """The process group (every rank, at ``fabric.launch()``), then the fault board, the watchdog
+        and the exception hook (see [Note: failures in a Fabric loop])."""
+        super().setup_environment()
+        self._watch_faults()
+
+    def _watch_faults(self) -> None:
+        """Every rank's host known, the fault board open, the watchdog on (docs/failures.md)."""
+        self.comm.watch_faults(fault_wait_s=self._config.fault_wait_s)
+        if not self.comm.active:
+            return
+        if self._watchdog is None:
+            self._watchdog = Watchdog(self.comm, self._config.watchdog_s)
+            self._watchdog.start()
+        if self._hook is None:
+            self._hook = _FailureHook.install(self)
+
+    def _report_failure(self, exception: BaseException) -> bool:
+        """User code raised ``exception`` on this rank: tell every rank why (once), as the Trainer's
+        ``on_exception`` does; no collective runs after it. True when this rank published its own
+        failure (not a peer's it noticed)."""
+        if self._failed or self._comm is None or self._comm.board is None:
+            return False
+        self._failed = faults.on_fit_exception(self._comm, exception, step=self._ledger.step)
+        return self._comm.published
+
+    def _leave_last(self) -> None:
+        """After publishing its failure this rank waits for its peers (see [Note: failures in a
+        Fabric loop]); its heartbeat stops first: the peers need it no more, and the store may go
+        with rank 0 meanwhile."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        _wait_until_read(self.comm)
 
     # -- setting up ------------------------------------------------------------------------------
 
@@ -603,10 +672,16 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def teardown(self) -> None:
-        """End training: hooks removed, the model whole again in its own parameters (stage 3 gathers
-        it: every rank calls it)."""
+        """End training: the watchdog stopped, the exception hook restored, hooks removed, the model
+        whole again in its own parameters (stage 3 gathers it: every rank calls it; not after a failure)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._hook is not None:
+            self._hook.uninstall()
+            self._hook = None
         if self._engine is not None and self._wrapped is not None:
-            self._engine.teardown()
+            self._engine.teardown(failed=self._failed)
         super().teardown()
 
     @classmethod
@@ -624,6 +699,85 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                     stage=stage,
                     start_method=start_method,
                 )
+
+
+class _FailureHook:
+    """``sys.excepthook`` while a strategy is active: an uncaught error in the user's script is
+    published before the previous hook prints it (see [Note: failures in a Fabric loop]). One per
+    process: a later strategy's hook replaces an earlier one's, keeping the hook before both."""
+
+    def __init__(self, strategy: ZeroFabricStrategy, previous: Callable[..., Any]) -> None:
+        self.strategy = strategy  # whose communicator publishes the failure
+        self.previous = previous  # the hook installed before this one: prints the traceback
+
+    @classmethod
+    def install(cls, strategy: ZeroFabricStrategy) -> _FailureHook:
+        current = sys.excepthook
+        hook = cls(strategy, current.previous if isinstance(current, _FailureHook) else current)
+        sys.excepthook = hook
+        return hook
+
+    def uninstall(self) -> None:
+        if sys.excepthook is self:
+            sys.excepthook = self.previous
+
+    def __call__(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        published = self.strategy._report_failure(error)  # first: the peers stop waiting at once
+        self.previous(kind, error, tb)
+        if published:
+            self.strategy._leave_last()
+        # the interpreter exits: status 1, the process group kept (comm/collectives.py)
+
+
+class _ReportingLauncher(_MultiProcessingLauncher):
+    """Fabric's spawn/fork launcher, with the user's function's failure published in the worker
+    before torch's wrapper hands it to the parent process (see [Note: failures in a Fabric loop])."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, *args)
+        except (Exception, KeyboardInterrupt) as error:
+            strategy = self._strategy
+            assert isinstance(strategy, ZeroFabricStrategy)
+            if strategy._report_failure(error):  # its own: the parent may report a peer's instead
+                traceback.print_exc()
+                strategy._leave_last()
+            elif strategy._failed:  # a peer's: rank 0 keeps the store until the others have read it
+                strategy.comm.linger_for_peers()
+            raise  # torch's wrapper hands it to the parent and exits: status 1, the group kept
+
+
+def _wait_until_read(comm: Communicator) -> None:
+    """A rank that published its failure waits until its peers have read it (at most
+    ``fault_wait_s`` and two wait slices). Rank 0 hosts the store and leaves only once every other
+    rank has read the board or failed (``Communicator.linger_for_peers``), so another rank waits for
+    rank 0 to end, by its pid on this host: a read of the store while rank 0 exits would fail. Rank
+    0 (or a rank on another host than rank 0) reads the store: peers that failed too are not waited
+    for, the others until they end (this host) or have noted themselves (another host)."""
+    if comm.board is None:
+        return
+    deadline = time.monotonic() + comm.fault_wait_s + 2 * POLL_S
+    try:
+        while time.monotonic() < deadline:
+            store_host = process_exists(comm.ranks[0]) if comm.rank != 0 else None
+            if store_host is False or (store_host is None and _all_read(comm)):
+                return
+            time.sleep(0.1)
+    except StoreUnreachable:  # the store's host (rank 0) is gone: nobody is left to read it
+        return
+
+
+def _all_read(comm: Communicator) -> bool:
+    """Every peer that did not fail too has ended (this host) or noted itself (another host)."""
+    failed, noted = {f.rank for f in comm.board.faults()}, comm.board.noted()
+    for peer in comm.ranks:
+        if peer.rank == comm.rank or peer.rank in failed:
+            continue
+        running = process_exists(peer)
+        if running is True or (running is None and peer.rank not in noted):
+            return False
+    return True
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
