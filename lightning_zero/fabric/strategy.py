@@ -60,6 +60,7 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
+from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator
@@ -173,8 +174,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_environment(self) -> None:
-        """The process group (every rank, at ``fabric.launch()``), then the fault board, the watchdog
-        and the exception hook (see [Note: failures in a Fabric loop])."""
+        """The CPU allocator setting (before the model exists, see ``allocator.py``), the process
+        group (every rank, at ``fabric.launch()``), then the fault board, the watchdog and the
+        exception hook (see [Note: failures in a Fabric loop])."""
+        tune_cpu_allocator(self._config.cpu_allocator, device_type=self.root_device.type)
         super().setup_environment()
         self._watch_faults()
 
