@@ -234,7 +234,6 @@ def _first_forward_order(rank: int, world: int, differ: bool) -> str:
 def test_first_forward_order_is_agreed(tmp_path):
     """The unit order of the first training forward (prefetch, ReduceScatter order) is checked once
     across ranks: a rank that took another path is named on every rank, before any ReduceScatter
-    could pair different units."""
-    assert run_ranks(_first_forward_order, 2, tmp_path, False) == ["ok", "ok"]
+    could pair different units (the agreed case is every other stage-3 test)."""
     for message in run_ranks(_first_forward_order, 2, tmp_path, True):
         assert "another order on rank 1" in message and "blocks.2, blocks.1, blocks.0" in message, message
