@@ -411,8 +411,11 @@ class Communicator:
             except RuntimeError as err:
                 # the slice ran out: "Operation timed out!" on a work still running; anything else
                 # is the collective's failure (a failed gloo work does not report is_completed)
-                if work.is_completed() or SLICE_TIMEOUT not in str(err):
+                if SLICE_TIMEOUT not in str(err):
                     raise  # explained by the caller
+                if work.is_completed():  # it completed as the slice ran out: its own outcome counts
+                    work.wait()
+                    return
             self._between_slices(issued)  # the collective is still running
 
     def _wait_in_background(self, work: Any, issued: Issued | None) -> None:
