@@ -52,6 +52,7 @@ OPS = (
     "lightning",
 )  # a row's op column is the index in this tuple plus one
 FLAGS, SEQ, OP, NBYTES, NAME = range(5)  # the columns of a row
+_SIDE_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(process group) -> (that group, its SideGroup)
 COLUMNS = 5
 
 
@@ -90,11 +91,20 @@ class SideGroup:
 
     @classmethod
     def create(cls, group: Any | None, world_size: int) -> SideGroup:
-        """Collective over the default group's ranks (``group`` None) or ``group``'s ranks."""
+        """Collective over the default group's ranks (``group`` None) or ``group``'s ranks. One per
+        process and group: strategies built one after another in a process (several fits, several
+        Fabrics) share it, so that no gloo group and its threads pile up per strategy."""
+        base = group if group is not None else dist.group.WORLD
+        kept = _SIDE_GROUPS.get(id(base))
+        if kept is not None and kept[0] is base:
+            return kept[1]
         if group is None:
-            return cls(dist.new_group(backend="gloo"), world_size)
-        ranks = dist.get_process_group_ranks(group)
-        return cls(dist.new_group(ranks, backend="gloo", use_local_synchronization=True), world_size)
+            side = cls(dist.new_group(backend="gloo"), world_size)
+        else:
+            ranks = dist.get_process_group_ranks(group)
+            side = cls(dist.new_group(ranks, backend="gloo", use_local_synchronization=True), world_size)
+        _SIDE_GROUPS[id(base)] = (base, side)
+        return side
 
     def launch(self, rank: int, row: list[int]) -> Any:
         """Start the exchange of this rank's ``row``; the rows are in :attr:`table` once it completed."""
