@@ -43,10 +43,13 @@ second per rank.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import sys
 import threading
 import time
+import weakref
 from typing import Any, NamedTuple
 
 from lightning_zero.comm.faults import StoreUnreachable, fault_message, leave_without_destroying, lost_message
@@ -56,6 +59,29 @@ log = logging.getLogger(__name__)
 BEAT_S = 1.0  # heartbeat period (and the longest tick)
 SETTLED_S = 1.0  # a wait this old is not a collective about to complete (see waits_apart)
 ANSWER_WAIT_TICKS = 4  # how many ticks (at least 1 s) a stuck rank waits for the other ranks' states
+_RUNNING: weakref.WeakSet[Watchdog] = weakref.WeakSet()  # started and not stopped, in this process
+
+
+@functools.cache
+def _stop_at_exit() -> None:
+    """Stop every running watchdog before the interpreter finalizes.
+
+    [Note: no daemon thread in torch at exit]
+    A Fabric program never tears its strategy down, and a script may end with a Trainer's
+    watchdog still beating. A daemon thread that is inside a torch call (a store write) when the
+    interpreter finalizes cannot take the GIL back when the call returns: Python ends the thread
+    with ``pthread_exit``, whose unwinding through pybind11's frames aborts the process
+    ("terminate called without an active exception", status 134) after the program had ended
+    well. atexit handlers run before that point, so the threads are stopped and joined there.
+    Registered once, by the first watchdog started: after the Communicator's clean-up of the
+    process group (atexit runs in reverse order), so the threads stop before the group goes.
+    """
+
+    def stop_all() -> None:
+        for watchdog in list(_RUNNING):
+            watchdog.stop()
+
+    atexit.register(stop_all)
 
 
 class Report(NamedTuple):
@@ -133,9 +159,12 @@ class Watchdog:
         self.comm.tracker.track_pending = (
             reports and not self.comm._blocking_waits
         )  # NCCL: waits do not block
+        _stop_at_exit()
+        _RUNNING.add(self)
         self._thread.start()
 
     def stop(self) -> None:
+        _RUNNING.discard(self)
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.tick_s)

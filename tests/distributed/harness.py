@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from lightning_zero.comm.faults import leave_without_destroying
 
 
 def _entry(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (a C++ abort) shows its stacks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     # a file store: no port to race for when several test runs share the machine

@@ -7,6 +7,7 @@ the group ready and only runs its fit. The one-process reference runs in a proce
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import tempfile
@@ -94,6 +95,7 @@ def _saved_optimizer(trainer: Trainer, root: str) -> dict | None:
 
 
 def _entry(rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], out_dir: str) -> None:
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (a C++ abort) shows its stacks
     torch.set_num_threads(1)
     if world > 1:
         os.environ.update(
