@@ -27,7 +27,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 $(ARGS)
 
 test-slow: install
 	$(PY) -m pytest -q -p no:cacheprovider -m slow $(ARGS)
