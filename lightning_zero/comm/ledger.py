@@ -29,6 +29,13 @@ Waits on CUDA tensors are timed on the stream ([Note: timing a wait] in ``timing
 later: ``pending`` holds only those whose events the GPU has not run yet (each new one first
 resolves those complete), and every read of the seconds blocked first resolves them all.
 
+[Note: links]
+Each collective is also filed under the link it crosses: ``"intra"`` when every rank of its group
+is on one node, ``"inter"`` when the group spans nodes (nodes as the cluster environment numbers
+them; [Note: shard groups and replicate groups] in ``mesh.py``). With hybrid sharding the shard
+groups' gathers and reduce-scatters stay on ``"intra"`` and only the replicate groups' all-reduces
+cross to ``"inter"``; the planner's split (docs/planning.md) predicts the same wire bytes per link.
+
 Control collectives (the per-batch agreement on signals and data, the non-finite guard's flags,
 the exchange of host names at setup) are not ZeRO traffic: they are counted apart, in
 ``control``, so that the per-step figures compare one to one with the ZeRO plan; so are the
@@ -60,6 +67,7 @@ class CommRecord(NamedTuple):
     payload_bytes: int  # size of the full logical tensor
     wire_bytes: float  # bytes one rank sends under the ring algorithm
     group_size: int  # N of the process group
+    link: str = "intra"  # "intra" (one node) or "inter" (the group spans nodes); see [Note: links]
 
 
 class Interval(Protocol):
@@ -99,10 +107,11 @@ def _add(totals: dict[str, OpTotals], op: str, payload: int, wire: float) -> Non
 class _StepTotals:
     """One step's aggregates: calls and bytes per op, seconds blocked per op."""
 
-    __slots__ = ("traffic", "waits")
+    __slots__ = ("links", "traffic", "waits")
 
     def __init__(self) -> None:
         self.traffic: dict[str, OpTotals] = {}  # op -> calls, payload, wire bytes
+        self.links: Counter[str] = Counter()  # link -> wire bytes (see [Note: links])
         self.waits: Counter[str] = Counter()  # op -> seconds blocked in wait()
 
 
@@ -123,6 +132,7 @@ class CommLedger:
         self.max_steps = max_steps
         self._steps: OrderedDict[int, _StepTotals] = OrderedDict()  # the latest max_steps steps
         self._run: dict[str, OpTotals] = {}  # op -> totals over the whole run
+        self._run_links: Counter[str] = Counter()  # link -> wire bytes over the whole run
         self._run_waits: Counter[str] = Counter()  # op -> seconds blocked over the whole run
         self._timed: Counter[str] = Counter()  # timing method -> waits timed with it over the run
         self.pending: deque[PendingWait] = deque()  # stream-timed waits the GPU has not finished
@@ -141,14 +151,25 @@ class CommLedger:
         self.step = step
 
     def record(
-        self, op: str, name: str, payload_bytes: int, group_size: int, *, wire: float | None = None
+        self,
+        op: str,
+        name: str,
+        payload_bytes: int,
+        group_size: int,
+        *,
+        wire: float | None = None,
+        link: str = "intra",
     ) -> None:
-        """File one collective under the current step; ``wire`` overrides the ring model (a gather)."""
+        """File one collective under the current step; ``wire`` overrides the ring model (a gather);
+        ``link``: the link its group crosses (see [Note: links])."""
         wire = wire_bytes(op, payload_bytes, group_size) if wire is None else wire
-        self.records.append(CommRecord(self.step, op, name, payload_bytes, wire, group_size))
+        self.records.append(CommRecord(self.step, op, name, payload_bytes, wire, group_size, link))
         self.recorded += 1
-        _add(self._totals_of(self.step).traffic, op, payload_bytes, wire)
+        entry = self._totals_of(self.step)
+        _add(entry.traffic, op, payload_bytes, wire)
+        entry.links[link] += wire
         _add(self._run, op, payload_bytes, wire)
+        self._run_links[link] += wire
 
     def record_control(self, payload_bytes: int, group_size: int) -> None:
         """A control collective (an AllReduce of flags): counted apart from the ZeRO traffic."""
@@ -231,6 +252,7 @@ class CommLedger:
         self.recorded = 0
         self._steps.clear()
         self._run.clear()
+        self._run_links.clear()
         self._run_waits.clear()
         self._timed.clear()
         self.pending.clear()
@@ -255,6 +277,14 @@ class CommLedger:
             return dict(self._run)
         entry = self._steps.get(step)
         return dict(entry.traffic) if entry is not None else {}
+
+    def link_bytes(self, step: int | None = None) -> dict[str, float]:
+        """Wire bytes per link (``"intra"``, ``"inter"``; see [Note: links]) for one kept step, or
+        the whole run."""
+        if step is None:
+            return dict(self._run_links)
+        entry = self._steps.get(step)
+        return dict(entry.links) if entry is not None else {}
 
     def steps(self) -> list[int]:
         """The kept steps that issued a collective, in order."""
