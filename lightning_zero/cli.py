@@ -5,6 +5,7 @@
         --tokens-per-rank 4096 --bucket-sweep --plot-dir plots
     lightning-zero plan --params 8B -n 128 512 --global-batch-tokens 4M --seq-len 4096 \\
         --micro-batch 2 --pow2 --json
+    lightning-zero plan --params 70B -n 64 --hardware h100-cluster --shard-size auto
     lightning-zero consolidate checkpoints/last.ckpt last-full.ckpt [--weights-only] [--trusted]
 
 Each subcommand is one ``_add_<name>_parser`` function that builds its arguments and one
@@ -23,8 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_zero.planning import batch, comm, memory
+from lightning_zero.planning import batch, comm, hybrid, memory
 from lightning_zero.planning.comm import Hardware
+from lightning_zero.planning.hybrid import Link
 
 _STAGE_NAMES = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
@@ -84,6 +86,21 @@ def _seconds(text: str) -> float:
     return float(match.group(1)) * _SECONDS[match.group(2).lower()]
 
 
+def _shard_size(text: str) -> int | str:
+    """argparse type: a shard size K (an int >= 1), ``node`` (K = G) or ``auto``."""
+    if text.strip().lower() in (hybrid.AUTO, hybrid.NODE):
+        return text.strip().lower()
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a shard size; expected an int >= 1, 'node' or 'auto'"
+        )
+    return value
+
+
 def _caps(text: str) -> tuple[float, ...]:
     """argparse type: comma-separated bucket caps in MiB."""
     try:
@@ -138,6 +155,7 @@ def _add_plan_parser(subparsers: Any) -> None:
         "--memory", type=_quantity("B"), help="device memory: 80GB, 96GiB (default: the preset's)"
     )
     _add_hardware_arguments(p)
+    _add_hybrid_arguments(p)
     _add_batch_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -159,6 +177,45 @@ def _add_hardware_arguments(p: argparse.ArgumentParser) -> None:
         "--bucket-caps", type=_caps, default=comm.DEFAULT_CAPS_MB, help="caps to sweep, MiB: 1,5,25"
     )
     hw.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket, MiB (1)")
+
+
+def _add_hybrid_arguments(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("hybrid sharding (HSDP)")
+    h.add_argument(
+        "--shard-size",
+        type=_shard_size,
+        help="K, ranks per shard group, 'node' (K = G) or 'auto' (the fastest K whose states fit "
+        "--memory): a table beside full sharding (K = N)",
+    )
+    h.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="G, consecutive ranks per node (default: the preset's GPUs per node)",
+    )
+    h.add_argument(
+        "--stage", type=int, nargs="+", choices=memory.STAGES, help="stages of the table (default: 1 2 3)"
+    )
+    h.add_argument(
+        "--groups",
+        type=int,
+        help="buckets (stages 1-2) or wrap units (stage 3) per step (default: 1 call each)",
+    )
+    h.add_argument(
+        "--intra-bandwidth",
+        type=_quantity("B/s"),
+        help="bytes/s per rank inside a node (default: the preset's link)",
+    )
+    h.add_argument(
+        "--inter-bandwidth",
+        type=_quantity("B/s"),
+        help="bytes/s per rank across nodes (default: the preset's node bandwidth / GPUs per node)",
+    )
+    h.add_argument(
+        "--intra-alpha", type=_seconds, help="latency per collective inside a node (default: --alpha)"
+    )
+    h.add_argument(
+        "--inter-alpha", type=_seconds, help="latency per collective across nodes (default: --alpha)"
+    )
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,6 +297,66 @@ def _model_sizes(args: argparse.Namespace) -> tuple[str | None, float, tuple[int
     return None, args.params, comm.uniform_layers(args.params, args.layers)
 
 
+_HYBRID_ONLY = (  # options that only the hybrid-sharding table reads
+    "ranks_per_node",
+    "stage",
+    "groups",
+    "intra_bandwidth",
+    "inter_bandwidth",
+    "intra_alpha",
+    "inter_alpha",
+)
+
+
+class HybridInputs(NamedTuple):
+    shard_size: int | str  # K, "node" (K = G) or "auto"
+    ranks_per_node: int  # G
+    stages: tuple[int, ...]  # stages of the table
+    groups: int | None  # buckets (stages 1-2) or wrap units (stage 3)
+    intra: Link | None  # alpha and W inside a node; None: no time column
+    inter: Link | None  # alpha and W across nodes; None: no time column
+
+
+def _hybrid_inputs(args: argparse.Namespace, inp: PlanInputs) -> HybridInputs | None:
+    if args.shard_size is None:
+        given = [name for name in _HYBRID_ONLY if getattr(args, name) is not None]
+        if given:
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} belongs to hybrid sharding: add --shard-size K or auto"
+            )
+        return None
+    hw = inp.hardware
+    ranks_per_node = args.ranks_per_node or (hw.gpus_per_node if hw else None)
+    if ranks_per_node is None:
+        raise ValueError("--shard-size needs the ranks per node: --ranks-per-node G, or --hardware")
+    if args.groups is not None and args.groups < 1:
+        raise ValueError(f"--groups must be >= 1, got {args.groups}")
+    intra_bw = args.intra_bandwidth or (hw.link_bw if hw else None)
+    inter_bw = args.inter_bandwidth or (hw.node_bw / hw.gpus_per_node if hw and hw.node_bw else None)
+    intra = None if intra_bw is None else Link(_or(args.intra_alpha, args.alpha), intra_bw)
+    inter = None if inter_bw is None else Link(_or(args.inter_alpha, args.alpha), inter_bw)
+    if args.shard_size == hybrid.AUTO:
+        _check_auto(args, inp, intra, inter)
+    stages = tuple(dict.fromkeys(args.stage)) if args.stage else (1, 2, 3)
+    return HybridInputs(args.shard_size, ranks_per_node, stages, args.groups, intra, inter)
+
+
+def _check_auto(args: argparse.Namespace, inp: PlanInputs, intra: Link | None, inter: Link | None) -> None:
+    if intra is None or inter is None:
+        raise ValueError(
+            "--shard-size auto needs both links: --hardware with a cluster preset (h100-cluster, ...), "
+            "or --intra-bandwidth and --inter-bandwidth"
+        )
+    if inp.device_memory is None:
+        raise ValueError("--shard-size auto needs a memory budget per rank: --memory, or --hardware")
+    if args.stage and 0 in args.stage:
+        raise ValueError("--shard-size auto needs stages 1-3: stage 0 shards nothing (drop 0 from --stage)")
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def _bandwidth(inp: PlanInputs, world_size: int | None) -> float | None:
     if inp.bandwidth is not None:
         return inp.bandwidth
@@ -292,6 +409,79 @@ def _traffic_section(inp: PlanInputs) -> Section:
     headers = ("N", "stage", "AllReduce GB", "ReduceScatter GB", "AllGather GB", "total GB", "time ms")
     note = "bytes one rank sends per step, ring algorithm; time = bytes / W + alpha x collectives, not overlapped"
     return Section("traffic", "Communication per rank per step", headers, rows, data, (note,))
+
+
+def _hybrid_section(inp: PlanInputs, hyb: HybridInputs) -> Section:
+    rows, data = [], []
+    for n in inp.world_sizes:
+        for stage in hyb.stages:
+            options, chosen = _shard_options(inp, hyb, n, stage)
+            for option, cells in zip(options, hybrid.shard_table_rows(options)):
+                full = option.shard_size == n
+                mark = " ".join(
+                    m for m, on in (("full sharding", full), ("<- chosen", option.shard_size == chosen)) if on
+                )
+                rows.append((str(n), _STAGE_NAMES[stage], *cells, mark))
+                data.append(
+                    {
+                        "world_size": n,
+                        "stage": stage,
+                        **option._asdict(),
+                        "full_sharding": full,
+                        "chosen": chosen,
+                    }
+                )
+    budget = f", budget {inp.device_memory / memory.GB:.3g} GB" if inp.device_memory else ""
+    title = (
+        f"Hybrid sharding, shard_size = {hyb.shard_size} (G = {hyb.ranks_per_node} ranks per node{budget})"
+    )
+    section_data = {
+        "shard_size": hyb.shard_size,
+        "ranks_per_node": hyb.ranks_per_node,
+        "groups": hyb.groups,
+        "intra": hyb.intra._asdict() if hyb.intra else None,
+        "inter": hyb.inter._asdict() if hyb.inter else None,
+        "memory_budget": inp.device_memory,
+        "rows": data,
+    }
+    headers = ("N", "stage", *hybrid.SHARD_TABLE_HEADERS, "")
+    return Section("hybrid", title, headers, rows, section_data, _hybrid_notes(hyb))
+
+
+def _shard_options(
+    inp: PlanInputs, hyb: HybridInputs, n: int, stage: int
+) -> tuple[tuple[hybrid.ShardOption, ...], int | None]:
+    """The options of one row group (N, stage) and the K chosen among them (None: K was given)."""
+    common = dict(ranks_per_node=hyb.ranks_per_node, intra=hyb.intra, inter=hyb.inter, groups=hyb.groups)
+    if hyb.shard_size == hybrid.AUTO:
+        choice = hybrid.choose_shard_size(
+            inp.psi, n, stage, memory_budget=inp.device_memory, **common, **inp.memory_options
+        )
+        return choice.options, choice.shard_size
+    k = min(hyb.ranks_per_node, n) if hyb.shard_size == hybrid.NODE else hyb.shard_size
+    sizes = dict.fromkeys((n, k))  # full sharding first
+    options = tuple(
+        hybrid.evaluate_shard_size(
+            inp.psi, n, stage, shard_size=k, memory_budget=inp.device_memory, **common, **inp.memory_options
+        )
+        for k in sizes
+    )
+    return options, None
+
+
+def _hybrid_notes(hyb: HybridInputs) -> tuple[str, ...]:
+    links = [
+        f"{name} W = {link.bandwidth / 1e9:.4g} GB/s per rank, alpha {link.alpha * 1e6:g} us"
+        for name, link in (("intra-node", hyb.intra), ("inter-node", hyb.inter))
+        if link is not None
+    ]
+    return (
+        "K ranks per shard group, R = N/K replicas; memory = model states per rank; intra/inter GB = bytes one "
+        "rank sends per step on groups inside one node / spanning nodes (ring algorithm, as the ledger counts)",
+        "comm ms = calls x alpha + bytes / W per link, one collective after another, not overlapped; a collective "
+        "whose group spans nodes is charged all its bytes at the inter-node W"
+        + (f" ({'; '.join(links)})" if links else ""),
+    )
 
 
 def _threshold_section(inp: PlanInputs) -> Section:
@@ -431,7 +621,10 @@ def _plan_batch(args: argparse.Namespace, dp: int) -> batch.BatchPlan:
 
 def _run_plan(args: argparse.Namespace) -> int:
     inp = _plan_inputs(args)
+    hyb = _hybrid_inputs(args, inp)
     sections = [_memory_section(inp), _traffic_section(inp)]
+    if hyb is not None:
+        sections.append(_hybrid_section(inp, hyb))
     if inp.flops and _bandwidth(inp, None):
         sections.append(_threshold_section(inp))
     rec = None

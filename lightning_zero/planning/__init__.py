@@ -1,5 +1,6 @@
 """Planning without a process group: memory per rank, traffic per step, when communication hides
-behind compute, gradient bucket sizes, and the global batch. Behind ``lightning-zero plan``.
+behind compute, gradient bucket sizes, the global batch, and the shard size of hybrid sharding.
+Behind ``lightning-zero plan``.
 
 Reading a real model (which imports torch) lives in :mod:`lightning_zero.planning.model`.
 """
@@ -41,10 +42,31 @@ from lightning_zero.planning.comm import (
     traffic_time,
     uniform_layers,
 )
+from lightning_zero.planning.hybrid import (
+    AUTO,
+    NODE,
+    SHARD_TABLE_HEADERS,
+    GroupTraffic,
+    HybridLayout,
+    HybridTraffic,
+    Link,
+    ShardChoice,
+    ShardOption,
+    choose_shard_size,
+    evaluate_shard_size,
+    format_shard_table,
+    hybrid_comm_time,
+    hybrid_layout,
+    hybrid_traffic,
+    shard_table_rows,
+    valid_shard_sizes,
+)
 from lightning_zero.planning.memory import (
     GB,
     STAGES,
     MemoryEstimate,
+    check_shard_size,
+    divisors,
     max_params,
     memory_by_stage,
     model_state_memory,
@@ -53,19 +75,28 @@ from lightning_zero.planning.memory import (
 )
 
 __all__ = [
+    "AUTO",
     "DEFAULT_ALPHA",
     "DEFAULT_CAPS_MB",
     "GB",
     "HARDWARE",
     "MIB",
+    "NODE",
+    "SHARD_TABLE_HEADERS",
     "STAGES",
     "BatchPlan",
     "BatchPlanWarning",
     "BucketRecommendation",
     "BucketSchedule",
     "BucketTiming",
+    "GroupTraffic",
     "Hardware",
+    "HybridLayout",
+    "HybridTraffic",
+    "Link",
     "MemoryEstimate",
+    "ShardChoice",
+    "ShardOption",
     "Threshold",
     "Traffic",
     "accumulate_grad_batches",
@@ -74,10 +105,18 @@ __all__ = [
     "assign_buckets",
     "backward_times_from_flops",
     "bus_bandwidth",
+    "check_shard_size",
+    "choose_shard_size",
     "comm_threshold",
+    "divisors",
+    "evaluate_shard_size",
+    "format_shard_table",
     "gather_factor",
     "get_hardware",
     "hardware_threshold",
+    "hybrid_comm_time",
+    "hybrid_layout",
+    "hybrid_traffic",
     "max_dp_ranks",
     "max_params",
     "memory_by_stage",
@@ -88,10 +127,12 @@ __all__ = [
     "plan_batch_samples",
     "recommend_bucket_cap_mb",
     "register_resolvers",
+    "shard_table_rows",
     "simulate_buckets",
     "stages_that_fit",
     "step_traffic",
     "sweep_bucket_caps",
     "traffic_time",
     "uniform_layers",
+    "valid_shard_sizes",
 ]

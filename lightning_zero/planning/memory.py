@@ -23,6 +23,13 @@ An fp32 gradient-accumulation buffer adds 4Ψ at stages 0-1 and 4Ψ/N at stages 
 stages only accumulate their own slice). Frozen parameters Ψ_f (a fine-tuned model's base) have
 no gradient and no optimizer state: f Ψ_f bytes (f = 2 or 4) at stages 0-2, f Ψ_f / N at stage 3,
 which shards them with the trainable ones. GB here is 1e9 bytes, as in the ZeRO paper.
+
+[Note: shard size]
+Hybrid sharding (``shard_size`` K, see [Note: hybrid layout] in ``hybrid.py``) shards the states
+over a group of K ranks and replicates that group N/K times, so every /N above becomes /K:
+stage 1 (p + g) Ψ + k Ψ / K, stage 2 p Ψ + (g + k) Ψ / K, stage 3 (p + g + k) Ψ / K; with bf16 and
+Adam 4Ψ + 12Ψ/K, 2Ψ + 14Ψ/K and 16Ψ/K. ``shard_size=None`` is K = N (full sharding). Stage 0 shards
+nothing and takes no K other than N.
 """
 
 from __future__ import annotations
@@ -44,12 +51,13 @@ _MASTER_BYTES = 4  # fp32 master copy of a parameter kept by mixed-precision tra
 
 class MemoryEstimate(NamedTuple):
     stage: int  # 0 = plain DP, 1-3 = ZeRO stage
-    world_size: int  # N, the data-parallel ranks the states are sharded over
+    world_size: int  # N, the data-parallel ranks
     params: float  # bytes of (low-precision) parameters per rank
     grads: float  # bytes of gradients per rank
     optimizer: float  # bytes of optimizer state (incl. fp32 master copy) per rank
     grad_accum: float  # bytes of the fp32 gradient-accumulation buffer per rank (0 if off)
     total: float  # sum of the above, bytes per rank
+    shard_size: int  # K, the ranks one copy of the states is sharded over (N: full sharding)
 
 
 def optimizer_k(name: str, *, master_copy: bool = True) -> int:
@@ -75,6 +83,7 @@ def model_state_memory(
     world_size: int,
     stage: int,
     *,
+    shard_size: int | None = None,
     k: float = 12,
     param_bytes: float = 2,
     grad_bytes: float = 2,
@@ -88,6 +97,8 @@ def model_state_memory(
         psi: Ψ, trainable parameters.
         world_size: N, data-parallel ranks.
         stage: 0 (plain DP) to 3.
+        shard_size: K, ranks per shard group under hybrid sharding (see [Note: shard size]);
+            None: N.
         k: optimizer bytes per parameter, fp32 master copy included (Adam: 12).
         param_bytes: bytes per parameter element (2 for bf16/fp16).
         grad_bytes: bytes per gradient element (2 for bf16/fp16).
@@ -99,23 +110,53 @@ def model_state_memory(
         The estimate, split by category, in bytes.
     """
     _check(psi, world_size, stage, k)
-    n = world_size
+    shards = check_shard_size(world_size, shard_size, stage)  # K: the sharded terms divide by it
     if frozen < 0:
         raise ValueError(f"frozen parameters must be >= 0, got {frozen}")
-    params = (psi * param_bytes + frozen * frozen_bytes) / (n if stage >= 3 else 1)
-    grads = psi * grad_bytes / (n if stage >= 2 else 1)
-    optimizer = psi * k / (n if stage >= 1 else 1)
-    accum = psi * FP32_ACCUM_BYTES / (n if stage >= 2 else 1) if fp32_grad_accum else 0.0
-    return MemoryEstimate(stage, n, params, grads, optimizer, accum, params + grads + optimizer + accum)
+    params = (psi * param_bytes + frozen * frozen_bytes) / (shards if stage >= 3 else 1)
+    grads = psi * grad_bytes / (shards if stage >= 2 else 1)
+    optimizer = psi * k / (shards if stage >= 1 else 1)
+    accum = psi * FP32_ACCUM_BYTES / (shards if stage >= 2 else 1) if fp32_grad_accum else 0.0
+    total = params + grads + optimizer + accum
+    return MemoryEstimate(stage, world_size, params, grads, optimizer, accum, total, shards)
 
 
-def memory_by_stage(psi: float, world_size: int, **options: float | bool) -> list[MemoryEstimate]:
+def check_shard_size(world_size: int, shard_size: int | None, stage: int | None = None) -> int:
+    """K for ``shard_size`` on N = ``world_size`` ranks: None gives N; K must divide N, and stage 0
+    (which shards nothing) takes only N.
+
+    Raises:
+        ValueError: naming the bad K and the values that would do.
+    """
+    if shard_size is None:
+        return world_size
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be an int >= 1 or None (N = {world_size}), got {shard_size!r}")
+    if world_size % shard_size:
+        raise ValueError(
+            f"shard_size K = {shard_size} does not divide the world size N = {world_size}: the ranks must "
+            f"form N/K equal shard groups; use one of {divisors(world_size)}"
+        )
+    if stage == 0 and shard_size != world_size:
+        raise ValueError(
+            f"stage 0 shards nothing, so it takes no shard_size below the world size: got K = {shard_size} "
+            f"with N = {world_size}; use stage 1-3 for hybrid sharding, or shard_size=None"
+        )
+    return shard_size
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_by_stage(psi: float, world_size: int, **options: float | bool | None) -> list[MemoryEstimate]:
     """:func:`model_state_memory` for stages 0-3; ``options`` are its keyword arguments."""
     return [model_state_memory(psi, world_size, stage, **options) for stage in STAGES]
 
 
 def stages_that_fit(
-    psi: float, world_size: int, device_memory: float, **options: float | bool
+    psi: float, world_size: int, device_memory: float, **options: float | bool | None
 ) -> tuple[int, ...]:
     """Stages whose model states fit in ``device_memory`` bytes per rank (activations not counted).
 
@@ -130,7 +171,7 @@ def stages_that_fit(
     return tuple(m.stage for m in memory_by_stage(psi, world_size, **options) if m.total <= device_memory)
 
 
-def max_params(device_memory: float, world_size: int, stage: int, **options: float | bool) -> float:
+def max_params(device_memory: float, world_size: int, stage: int, **options: float | bool | None) -> float:
     """Largest Ψ whose model states fit in ``device_memory`` bytes per rank at ``stage``.
 
     Args:
