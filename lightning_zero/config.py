@@ -117,6 +117,15 @@ class ZeroConfig:
             ``"default"`` leaves glibc's defaults. Settings the user made in the environment are
             kept either way; nothing changes on GPUs or other C libraries
             (lightning_zero/allocator.py).
+        shard_size: hybrid sharding (stages 1-3): the ranks form groups of this many consecutive
+            ranks; each group shards the model state and the groups replicate each other
+            (gradients reduce-scattered inside the group, then all-reduced across groups, shard
+            by shard; parameters gathered inside the group only). ``"node"``: one group per node
+            (ranks per node from the cluster environment). None: one group of all ranks (full
+            sharding). A group inside a node keeps the all-gathers and reduce-scatters off the
+            inter-node links, at the price of memory: the sharded terms of the formulas divide
+            by shard_size instead of the world size (docs/planning.md, "Hybrid sharding"). It
+            must divide the world size and the ranks per node (or be a multiple of them).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -147,6 +156,7 @@ class ZeroConfig:
     keep_previous_checkpoint: bool = True  # keep .NAME.previous when NAME is overwritten
     verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading
     cpu_allocator: str = "tuned"  # CPU on glibc: "tuned" (freed memory returned) | "default"
+    shard_size: Any = None  # hybrid sharding: ranks per shard group (int), "node", or None: all ranks
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -179,6 +189,7 @@ class ZeroConfig:
             if value is not None and value not in ("bf16", "fp16", "fp32"):
                 raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
         self._check_failure_handling()
+        self._check_shard_size()
         if self.cpu_allocator not in CPU_ALLOCATOR_MODES:
             raise ValueError(
                 f"cpu_allocator must be one of {list(CPU_ALLOCATOR_MODES)}, got {self.cpu_allocator!r}"
@@ -198,6 +209,19 @@ class ZeroConfig:
             raise ValueError(f"wrap_policy and min_num_params apply to stage 3 only, got stage={self.stage}")
         if self.wrap_policy is not None and self.min_num_params is not None:
             raise ValueError("give either wrap_policy or min_num_params, not both")
+
+    def _check_shard_size(self) -> None:
+        """The value's form here; against the world size and the nodes at setup (comm/mesh.py)."""
+        value = self.shard_size
+        if value is None:
+            return
+        if value != "node" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"shard_size must be a positive number of ranks, 'node' or null, got {value!r}")
+        if self.stage == 0:
+            raise ValueError(
+                f"shard_size={value!r} with stage 0: stage 0 shards nothing, so there is no group to shard "
+                "in; use stage 1, 2 or 3, or leave shard_size unset"
+            )
 
     def _check_classes(self) -> None:
         """Import paths are resolved now, where the value enters, not when the processes start."""

@@ -32,6 +32,7 @@ from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator, is_distributed
+from lightning_zero.comm.mesh import sharding_comm
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, make_engine
@@ -251,7 +252,9 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             cfg = self._config
             policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
-            self._engine = make_engine(cfg, self.comm, policy)
+            self._engine = make_engine(
+                cfg, sharding_comm(self.comm, cfg.shard_size, cfg.stage, self.num_nodes), policy
+            )
             off = cfg.nonfinite_grads == "off"
             self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
             self._user_precision_plugin = self.precision_plugin

@@ -252,15 +252,18 @@ def streamed_optimizer_state(engine: Any, optimizer: Optimizer, index: int) -> d
 
 def _gather_space(engine: Any, comm: Communicator, space: int, what: tuple[int, str] | None) -> Tensor | None:
     """The full padded values of one flat space (its parameters, or one per-element state of one
-    optimizer), on rank 0 only; every rank calls it."""
+    optimizer), on rank 0 only; every rank calls it. Gathered in the group the engine shards over
+    (with hybrid sharding, every shard group gathers its copy: the ranks stay in step, and rank 0
+    is the first group's first rank)."""
     chunk = _own_values(engine, space, what)
+    group = engine.comm
     full = (
         torch.empty(engine.param_spaces()[space].padded_numel, dtype=chunk.dtype, device=chunk.device)
-        if comm.rank == 0
+        if group.rank == 0
         else None
     )
-    comm.gather(full, chunk, dst=0, name=f"{engine.label}/gather/checkpoint")
-    return full
+    group.gather(full, chunk, dst=0, name=f"{engine.label}/gather/checkpoint")
+    return full if comm.rank == 0 else None
 
 
 def _all_gather_space(engine: Any, space: int, what: tuple[int, str] | None) -> Tensor:

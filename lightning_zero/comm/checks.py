@@ -122,14 +122,15 @@ def elsewhere(rows: list[list[int]], me: int) -> list[int]:
     return [r for r, row in enumerate(rows) if row[SEQ:] != rows[me][SEQ:]]
 
 
-def desync_report(me: int, states: dict[int, RankState], others: list[int], world_size: int) -> str:
-    """Every rank's collective where they differ; ``others``: the ranks elsewhere than ``me``."""
+def desync_report(me: int, states: dict[int, RankState], others: list[int], ranks: list[int]) -> str:
+    """Every rank's collective where they differ; ``others``: the ranks elsewhere than ``me``;
+    ``ranks``: the (world) ranks of the group that compared their collectives."""
     mine = states[me].waiting
     lines = [
         f"lightning_zero watchdog: rank {me} is in {mine.describe()}, checked before issuing it; the ranks "
         "are out of step (a desync): every rank must issue the same collectives in the same order, and "
         f"these never will; rank(s) {', '.join(map(str, others))} are elsewhere (nothing was sent):"
     ]
-    for r in range(world_size):
+    for r in ranks:
         lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} did not answer")
     return "\n".join(lines)

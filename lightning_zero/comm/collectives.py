@@ -208,18 +208,28 @@ class Communicator:
     """
 
     def __init__(self, group: Any | None = None, ledger: CommLedger | None = None) -> None:
+        self._root = self  # the world's communicator, whose failure state every subgroup shares
         self.group = group  # torch ProcessGroup or None for WORLD
         self.ledger = ledger if ledger is not None else CommLedger()  # record of every collective
         self.world_size = dist.get_world_size(group) if is_distributed() else 1  # N
         self.rank = dist.get_rank(group) if is_distributed() else 0  # this rank within the group
+        self.me = dist.get_rank() if is_distributed() else 0  # this rank in the world (faults, board)
+        self.members = (  # the world ranks of the group, in group order
+            dist.get_process_group_ranks(group)
+            if is_distributed() and group is not None
+            else list(range(self.world_size))
+        )
+        self.link = "intra"  # the link its collectives cross, for the ledger ([Note: links] in ledger.py)
+        self.mean_over = self.world_size  # ranks whose gradients make one mean (hybrid: the world)
+        self.replicate: Communicator | None = None  # hybrid sharding: the replicate group (see subgroup)
         self.tracker = CollectiveTracker()  # sequence numbers; the collective this rank is blocked in
         self.board: FaultBoard | None = None  # faults in the store, once watch_faults() ran
         self.ranks: list[RankInfo] = [this_process(self.rank)]  # every rank's host and pid
         self.fault_wait_s = 3.0  # how long a failed collective waits for the failing rank's message
-        self.failure: BaseException | None = None  # what this rank failed with; no collective after it
-        self.published = False  # this rank wrote its failure to the board (faults.publish)
-        self.stop_reason: str | None = None  # set by the watchdog: the ranks are out of step for good
-        self.on_poll: Callable[[], None] | None = None  # the watchdog's check, between two wait slices
+        self._failure: BaseException | None = None  # what this rank failed with; no collective after it
+        self._published = False  # this rank wrote its failure to the board (faults.publish)
+        self._stop_reason: str | None = None  # set by the watchdog: the ranks are out of step for good
+        self._on_poll: Callable[[], None] | None = None  # the watchdog's check, between two wait slices
         self.liveness: Liveness | None = None  # dead peers, while this rank waits (watch_faults)
         self._blocking_waits = is_distributed() and dist.get_backend(group) != "nccl"  # gloo, mpi, ...
         self.side: SideGroup | None = None  # gloo group for host tables (watch_faults); see checks.py
@@ -231,6 +241,47 @@ class Communicator:
     @property
     def active(self) -> bool:
         return self.world_size > 1
+
+    # the failure state is the world's: a subgroup that fails fails its rank ([Note: hybrid comms])
+    failure = property(lambda self: self._root._failure, lambda self, v: setattr(self._root, "_failure", v))
+    stop_reason = property(
+        lambda self: self._root._stop_reason, lambda self, v: setattr(self._root, "_stop_reason", v)
+    )
+    published = property(
+        lambda self: self._root._published, lambda self, v: setattr(self._root, "_published", v)
+    )
+    on_poll = property(lambda self: self._root._on_poll, lambda self, v: setattr(self._root, "_on_poll", v))
+
+    @property
+    def world(self) -> Communicator:
+        """The communicator of every rank (itself, but for a subgroup's; see [Note: hybrid comms])."""
+        return self._root
+
+    def subgroup(self, group: Any, *, link: str) -> Communicator:
+        """A communicator over ``group`` (a subgroup of this world's ranks) for hybrid sharding.
+
+        [Note: hybrid comms]
+        The engines of hybrid sharding shard over a shard group and all-reduce over a replicate
+        group ([Note: shard groups and replicate groups] in ``mesh.py``). Their communicators share
+        the world's ledger, tracker, fault board, liveness watch and failure state: every rank
+        issues the same collectives in the same order, whichever group each runs in, so one
+        sequence of numbers per process still describes it. Collectives on tensors run in the
+        group, checked among its members (a side group of its own); agreements, broadcasts and
+        checkpoint I/O (objects, barriers, DCP) run in the world, so that every group takes the
+        same decision. ``rank`` and ``world_size`` are the group's, ``me`` the world rank that
+        faults are filed under. Collective: every rank calls it, in the same order.
+        """
+        sub = _GroupCommunicator.__new__(_GroupCommunicator)
+        sub.__dict__.update(self.__dict__)  # ledger, tracker, board, ranks, liveness, fault_wait_s
+        sub._root = self._root
+        sub.group = group
+        sub.world_size = dist.get_world_size(group)
+        sub.rank = dist.get_rank(group)
+        sub.members = dist.get_process_group_ranks(group)
+        sub.link = link
+        sub.replicate = None
+        sub.side = SideGroup.create(group, sub.world_size) if self.side is not None else None
+        return sub
 
     def watch_faults(self, *, fault_wait_s: float = 3.0) -> None:
         """Exchange every rank's host and pid (a collective, once), open the fault board in the
@@ -291,7 +342,7 @@ class Communicator:
         if control:
             self.ledger.record_control(payload_bytes, self.world_size)
         else:
-            self.ledger.record(op, name, payload_bytes, self.world_size)
+            self.ledger.record(op, name, payload_bytes, self.world_size, link=self.link)
         issued = self.tracker.issue(op, name, payload_bytes)
         self._check(issued, timed_as=None if control else op)
         with torch.profiler.record_function(name):
@@ -335,7 +386,8 @@ class Communicator:
     def _stop_for_desync(self, issued: Issued, rows: list[list[int]]) -> None:
         """Every rank sees the same rows: each names every rank's collective and raises."""
         states = self._desync_states(issued, rows)
-        report = desync_report(self.rank, states, elsewhere(rows, self.rank), self.world_size)
+        others = [self.members[r] for r in elsewhere(rows, self.rank)]
+        report = desync_report(self.me, states, others, self.members)
         print(report, file=sys.stderr, flush=True)  # also where the exception is caught and dropped
         self.stop_reason = report
         error = CollectivesStopped(report)
@@ -343,25 +395,28 @@ class Communicator:
         if self.board is not None:
             try:
                 self.board.publish_stop(report)  # for a rank that waits elsewhere
-                self.board.note(self.rank, issued.describe())
+                self.board.note(self.me, issued.describe())
             except StoreUnreachable:
                 pass
         raise error
 
     def _desync_states(self, issued: Issued, rows: list[list[int]]) -> dict[int, RankState]:
-        """Every rank's collective, named as it posted it on the board (else from its row)."""
+        """Every rank's collective, named as it posted it on the board (else from its row); keyed by
+        world rank."""
         posted: dict[int, Issued] = {}
+        check = self.side.count if self._root is self else f"{self.members[0]}-{self.side.count}"
         if self.board is not None:
             try:
-                self.board.post_collective(self.side.count, issued)
-                posted = self.board.collectives(self.side.count, self.fault_wait_s)
+                self.board.post_collective(check, issued)
+                posted = self.board.collectives(check, self.fault_wait_s, ranks=self.members)
             except StoreUnreachable:
                 pass
         states = {}
         for r, row in enumerate(rows):
-            theirs = issued if r == self.rank else posted.get(r, issued_from_row(row))
-            host = self.ranks[r].host if r < len(self.ranks) else "?"
-            states[r] = RankState(r, host, theirs, theirs, 0.0)
+            world = self.members[r]
+            theirs = issued if r == self.rank else posted.get(world, issued_from_row(row))
+            host = self.ranks[world].host if world < len(self.ranks) else "?"
+            states[world] = RankState(world, host, theirs, theirs, 0.0)
         return states
 
     @contextmanager
@@ -437,25 +492,25 @@ class Communicator:
         where = issued.describe() if issued is not None else "a collective"
         try:
             published = self.board.fault_count() > 0
-            faults = [f for f in self.board.faults() if f.rank != self.rank] if published else []
+            faults = [f for f in self.board.faults() if f.rank != self.me] if published else []
             stop = self.board.stop_reason() if published else None
             if faults or stop:
-                self.board.note(self.rank, where)  # read: the failing rank may leave now
+                self.board.note(self.me, where)  # read: the failing rank may leave now
             lost, silent_s = self.liveness.lost() if self.liveness is not None else ([], None)
         except StoreUnreachable as err:
-            raise PeerFailure(store_lost_message(self.ranks, self.rank, where, err)) from err
+            raise PeerFailure(store_lost_message(self.ranks, self.me, where, err)) from err
         if stop:
             raise CollectivesStopped(stop)
         if faults:
-            raise PeerFailure(fault_message(faults, self.rank, where, None), faults)
+            raise PeerFailure(fault_message(faults, self.me, where, None), faults)
         if lost:
-            raise PeerFailure(lost_message(lost, self.rank, where, None, silent_s=silent_s), lost=lost)
+            raise PeerFailure(lost_message(lost, self.me, where, None, silent_s=silent_s), lost=lost)
 
     def _note(self, issued: Issued | None) -> None:
         """Tell rank 0 (the store's host, lingering after a failure) that this rank has read the board."""
         if self.board is not None:
             try:
-                self.board.note(self.rank, issued.describe() if issued is not None else "a collective")
+                self.board.note(self.me, issued.describe() if issued is not None else "a collective")
             except StoreUnreachable:
                 pass
 
@@ -468,22 +523,22 @@ class Communicator:
             return None
         where = issued.describe() if issued is not None else "a collective"
         try:
-            self.board.note(self.rank, where)
+            self.board.note(self.me, where)
             stop = self.board.stop_reason() if self.board.fault_count() else None
             if stop is not None:  # the peer that found the desync left first: this rank names it too
                 return CollectivesStopped(stop)
-            gone = [i for i in self.ranks if i.rank != self.rank and process_exists(i) is False]
+            gone = [i for i in self.ranks if i.rank != self.me and process_exists(i) is False]
             if gone and not self.board.fault_count():  # dead for sure, and said nothing: no need to wait
-                return PeerFailure(lost_message(gone, self.rank, where, err), lost=gone)
+                return PeerFailure(lost_message(gone, self.me, where, err), lost=gone)
             faults, silent = self.board.wait_for_cause(self.fault_wait_s)
         except StoreUnreachable:
-            return PeerFailure(store_lost_message(self.ranks, self.rank, where, err))
-        faults = [f for f in faults if f.rank != self.rank]
+            return PeerFailure(store_lost_message(self.ranks, self.me, where, err))
+        faults = [f for f in faults if f.rank != self.me]
         if faults:
-            return PeerFailure(fault_message(faults, self.rank, where, err), faults)
+            return PeerFailure(fault_message(faults, self.me, where, err), faults)
         if silent:
             lost = [self.ranks[r] for r in sorted(silent)]
-            return PeerFailure(lost_message(lost, self.rank, where, err), lost=lost)
+            return PeerFailure(lost_message(lost, self.me, where, err), lost=lost)
         return None
 
     def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
@@ -614,7 +669,7 @@ class Communicator:
         """An op outside the ledger's ring model (gather, barrier), recorded with its own wire bytes;
         ``device``: where its tensors live (None: none, a barrier), which decides how its wait is timed."""
         self._check_can_issue(name)
-        self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire)
+        self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire, link=self.link)
         issued = self.tracker.issue(op, name, payload_bytes)
         self._check(issued, timed_as=op)
         with torch.profiler.record_function(name):
@@ -702,6 +757,41 @@ class Communicator:
                 if explained is None:
                     raise
                 raise explained from err
+
+
+class _GroupCommunicator(Communicator):
+    """A subgroup's communicator (see [Note: hybrid comms]): tensor collectives in the group;
+    agreements, broadcasts, barriers and checkpoint I/O in the world."""
+
+    def broadcast(self, tensor: Tensor, **kwargs: Any) -> None:
+        self._root.broadcast(tensor, **kwargs)
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor], **kwargs: Any) -> None:
+        self._root.broadcast_tensors(tensors, **kwargs)
+
+    def broadcast_object(self, obj: Any, **kwargs: Any) -> Any:
+        return self._root.broadcast_object(obj, **kwargs)
+
+    def agree(self, flags: int, **kwargs: Any) -> list[int]:
+        return self._root.agree(flags, **kwargs)
+
+    def all_gather_object(self, obj: Any, **kwargs: Any) -> list[Any]:
+        return self._root.all_gather_object(obj, **kwargs)
+
+    def barrier(self, **kwargs: Any) -> None:
+        self._root.barrier(**kwargs)
+
+    def save_checkpoint_items(self, *args: Any, **kwargs: Any) -> Any:
+        return self._root.save_checkpoint_items(*args, **kwargs)
+
+    def load_checkpoint_items(self, *args: Any, **kwargs: Any) -> None:
+        self._root.load_checkpoint_items(*args, **kwargs)
+
+    def tracked(self, name: str) -> Any:
+        return self._root.tracked(name)
+
+    def watch_faults(self, **kwargs: Any) -> None:
+        self._root.watch_faults(**kwargs)
 
 
 _COMM_ERROR_WORDS = (  # what backends say when a peer is gone or a collective broke

@@ -214,20 +214,24 @@ class FaultBoard:
 
     # -- a desync found by a check (see [Note: checked issue] in ``checks.py``) ------------------
 
-    def post_collective(self, check: int, issued: Issued) -> None:
+    def post_collective(self, check: int | str, issued: Issued) -> None:
         """This rank's collective at its ``check``-th table, which did not match (for its name)."""
         self._set(f"desync/{check}/{self.rank}", list(issued))
 
-    def collectives(self, check: int, seconds: float) -> dict[int, Issued]:
-        """Every rank's collective posted for the ``check``-th table, waiting up to ``seconds``."""
+    def collectives(
+        self, check: int | str, seconds: float, ranks: list[int] | None = None
+    ) -> dict[int, Issued]:
+        """Every rank's (of ``ranks``; None: all) collective posted for the ``check``-th table,
+        waiting up to ``seconds``."""
         deadline = time.monotonic() + seconds
+        ranks = list(range(self.world_size)) if ranks is None else ranks
         while True:
             found = {
                 r: Issued(*self._get(f"desync/{check}/{r}"))
-                for r in range(self.world_size)
+                for r in ranks
                 if self._has(f"desync/{check}/{r}")
             }
-            if len(found) == self.world_size or time.monotonic() >= deadline:
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
                 return found
             time.sleep(READ_PAUSE_S)
 

@@ -66,6 +66,7 @@ from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.comm.collectives import POLL_S
 from lightning_zero.comm.faults import StoreUnreachable, process_exists
+from lightning_zero.comm.mesh import sharding_comm
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
@@ -263,7 +264,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             )
         cfg = self._config
         policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision.precision)
-        engine = make_engine(cfg, self.comm, policy)
+        engine = make_engine(cfg, sharding_comm(self.comm, cfg.shard_size, cfg.stage, self.num_nodes), policy)
         self.precision = training_precision(
             self.precision, policy, self.comm, engine.label, self.root_device.type
         )

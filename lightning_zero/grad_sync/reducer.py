@@ -474,7 +474,7 @@ class GradReducer:
                 self._hand_on(self._in_flight.popleft())
             self._in_flight.append(bucket)
         flat = self._writable(bucket)
-        flat.div_(self.comm.world_size)
+        flat.div_(self.comm.mean_over)
         if self.stage == 0:
             bucket.handle = self.comm.all_reduce(flat, name=f"{self.label}/all_reduce/bucket={bucket.index}")
             return
@@ -489,11 +489,19 @@ class GradReducer:
         """Wait for a bucket's reduce-scatter, add its shard into the shard gradient, free it."""
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
         bucket.handle.wait()
+        self._sum_over_replicas(bucket.shard_out, f"bucket={bucket.index}")
         self.spaces[bucket.index].accumulate_grad(bucket.shard_out, lend=bucket.persistent)
         if not bucket.persistent:
             self.buffer_meter.add(-bucket.flat.numel() * bucket.flat.element_size())
         bucket.release()
         bucket.handed_on = True
+
+    def _sum_over_replicas(self, shard: Tensor, what: str) -> None:
+        """Hybrid sharding: the group's reduced shard summed over the replicate group (see [Note:
+        shard groups and replicate groups] in comm/mesh.py)."""
+        if self.comm.replicate is not None:
+            name = f"{self.label}/all_reduce/{what}/replicas"
+            self.comm.replicate.all_reduce(shard, name=name, async_op=False)
 
     def _deliver_shards(self, used: list[bool] | None, set_aside: set[int]) -> None:
         """Hand on every bucket's reduced shard, and the reduced gradients set aside for the buckets in
@@ -555,10 +563,11 @@ class GradReducer:
         for j, offset in zip(bucket.spec.params, bucket.spec.offsets):
             if j in self._set_aside:
                 flat[offset : offset + self.params[j].numel()].copy_(self._set_aside.pop(j).reshape(-1))
-        flat.div_(self.comm.world_size)
+        flat.div_(self.comm.mean_over)
         shard = torch.empty(flat.numel() // self.comm.world_size, dtype=flat.dtype, device=flat.device)
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}/late"
         self.comm.reduce_scatter(shard, flat, name=name).wait()
+        self._sum_over_replicas(shard, f"bucket={bucket.index}/late")
         space = self.spaces[bucket.index]
         space.keep_grad()
         space.grad.add_(shard)
@@ -619,7 +628,7 @@ class GradReducer:
     def _launch_used_map(self) -> tuple[Tensor, Handle]:
         device = self.params[0].device
         used = torch.tensor(self._used, dtype=torch.int32, device=device)
-        return used, self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map")
+        return used, self.comm.world.all_reduce(used, name=f"{self.label}/all_reduce/used_map")
 
     def _globally_used(self, used_map: tuple[Tensor, Handle]) -> list[bool]:
         """Per parameter: some rank used it in this backward."""

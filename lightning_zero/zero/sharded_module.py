@@ -455,7 +455,7 @@ class ZeroThree:
         flags = [f for u in self.units for f in u.used]
         device = self.units[0].flats[0].full.device
         used = torch.tensor(flags, dtype=torch.int32, device=device)
-        self.comm.all_reduce(used, name=f"{self.label}/all_reduce/used_map", async_op=False)
+        self.comm.world.all_reduce(used, name=f"{self.label}/all_reduce/used_map", async_op=False)
         counts, out = used.tolist(), []
         for unit in self.units:
             out.append([c > 0 for c in counts[: len(unit.params)]])

@@ -508,7 +508,7 @@ class ShardedUnit:
                 region.copy_(grad.reshape(-1))
                 self.grad_copies += 1
             p.grad = None
-        buffer.div_(self.comm.world_size)
+        buffer.div_(self.comm.mean_over)
         self.reduce_in, self.grad_buffer = buffer, None
         self.reduce_out = torch.empty(space.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
@@ -523,6 +523,9 @@ class ShardedUnit:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
+        if self.comm.replicate is not None:  # hybrid: the group's shard summed over the replicas
+            name = f"{self.label}/all_reduce/unit={self.name}/replicas"
+            self.comm.replicate.all_reduce(self.reduce_out, name=name, async_op=False)
         self.flat.accumulate_grad(self.reduce_out)
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None

@@ -94,7 +94,9 @@ def _saved_optimizer(trainer: Trainer, root: str) -> dict | None:
     return torch.load(path, weights_only=False)["optimizer_states"][0]
 
 
-def _entry(rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], out_dir: str) -> None:
+def _entry(
+    rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], out_dir: str, nodes: int = 1
+) -> None:
     faulthandler.enable(all_threads=True)  # a rank killed by a signal (a C++ abort) shows its stacks
     torch.set_num_threads(1)
     if world > 1:
@@ -103,8 +105,8 @@ def _entry(rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], 
             MASTER_PORT="29500",  # read by Lightning's environment, never used: the group exists
             WORLD_SIZE=str(world),
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
+            LOCAL_RANK=str(rank % (world // nodes)),
+            NODE_RANK=str(rank // (world // nodes)),
         )
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = []
@@ -117,14 +119,15 @@ def _entry(rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], 
 
 
 def run_jobs(
-    jobs: list[Callable[[str], Any]], out_dir: str, *, world: int, timeout: float
+    jobs: list[Callable[[str], Any]], out_dir: str, *, world: int, timeout: float, nodes: int = 1
 ) -> list[list[Any]]:
     """Run ``jobs`` (picklable callables of a scratch folder) in turn in ``world`` fresh processes
-    sharing one process group; per rank, the results in order."""
+    sharing one process group; per rank, the results in order. ``nodes``: the ranks pose as that
+    many nodes of ``world / nodes`` ranks each (the environment Lightning reads), on this machine."""
     os.makedirs(out_dir, exist_ok=True)
     store = tempfile.mktemp(prefix="store-", dir=out_dir)
     context = mp.start_processes(
-        _entry, args=(world, store, jobs, out_dir), nprocs=world, join=False, start_method="spawn"
+        _entry, args=(world, store, jobs, out_dir, nodes), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=5):
