@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.planning import hybrid_traffic
+from tests.fabric import jobs
 from tests.matrix.lit import BATCH, Case, MatrixModule
 from tests.matrix.runner import run_jobs
 
@@ -38,6 +41,7 @@ FP32_TOL = 1e-6
 BF16_TOL = 2e-3
 CASES = (Case(), Case(accumulate=3, clip=0.05), Case(precision="bf16-mixed"))
 VARIANTS = ((0, None), (1, 2), (2, 2), (3, 2), (1, None), (2, None), (3, None))  # (stage, shard_size)
+FABRIC = ((None, None), (2, 2), (3, 2))  # Fabric's ddp, then hybrid stages
 RESUMES = (  # (stage, shard_size, form) that saves after epoch 1 -> (stage, shard_size) that resumes
     ((3, 2, "full"), (2, None)),
     ((3, 2, "sharded"), (3, None)),
@@ -104,6 +108,20 @@ def save_then_resume(saver: tuple, resumer: tuple, folder: str, root: str) -> di
     return {"params": _params(second)}
 
 
+def fabric_fit(stage: int | None, shard_size: int | None, root: str) -> dict[str, Any]:
+    """A hand-written Fabric loop (tests/fabric/jobs.py): 4 micro-batches, accumulation over 2
+    (no_backward_sync), clipping by norm; stage None: Fabric's own ddp."""
+    options = {"shard_size": shard_size} if shard_size is not None else {}
+    fabric = L.Fabric(
+        strategy=jobs.strategy(stage, **options), accelerator="cpu", devices=WORLD // NODES, num_nodes=NODES
+    )
+    fabric.launch()
+    loop = jobs.Loop(accumulate=2, clip=("norm", 0.05))
+    model, optimizer = jobs.set_up(fabric, loop)
+    jobs.train(fabric, model, optimizer, loop, range(4), Counter())
+    return {"params": jobs.full_params(fabric, model)}
+
+
 def uninterrupted(root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = MatrixModule(Case(), per_rank=BATCH)
@@ -121,6 +139,8 @@ def runs(tmp_path_factory) -> dict:
     for saver, resumer in RESUMES:
         todo[("resume", saver, resumer)] = functools.partial(save_then_resume, saver, resumer, str(root))
     todo[("uninterrupted",)] = uninterrupted
+    for stage, shard_size in FABRIC:
+        todo[("fabric", stage, shard_size)] = functools.partial(fabric_fit, stage, shard_size)
     ranks = run_jobs(list(todo.values()), str(root / "ranks"), world=WORLD, timeout=900, nodes=NODES)
     return {key: [r[i] for r in ranks] for i, key in enumerate(todo)}
 
@@ -183,6 +203,14 @@ def test_a_checkpoint_resumes_with_another_shard_size_and_stage(runs):
         if any(_max_diff(r["params"], ranks[0]["params"]) != 0.0 for r in ranks[1:]):
             errors.append(f"saved by {saver}, resumed by {resumer}: the ranks differ")
     assert not errors, "\n".join(errors)
+
+
+def test_a_fabric_loop_with_hybrid_sharding_trains_as_fabric_ddp(runs):
+    reference = runs[("fabric", None, None)][0]["params"]
+    for stage, shard_size in FABRIC[1:]:
+        ranks = runs[("fabric", stage, shard_size)]
+        assert _max_diff(ranks[0]["params"], reference) <= FP32_TOL, (stage, shard_size)
+        assert all(_max_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
 
 
 def test_a_shard_size_that_does_not_fit_is_refused_at_setup(tmp_path):
