@@ -122,7 +122,9 @@ class ZeroConfig:
             (gradients reduce-scattered inside the group, then all-reduced across groups, shard
             by shard; parameters gathered inside the group only). ``"node"``: one group per node
             (ranks per node from the cluster environment). None: one group of all ranks (full
-            sharding). A group inside a node keeps the all-gathers and reduce-scatters off the
+            sharding). ``"auto"``: chosen at setup by the planner from the model's size, the
+            device's memory and the two links measured then (a few timed all-reduces inside a node
+            and across nodes); the choice and its alternatives are printed. A group inside a node keeps the all-gathers and reduce-scatters off the
             inter-node links, at the price of memory: the sharded terms of the formulas divide
             by shard_size instead of the world size (docs/planning.md, "Hybrid sharding"). It
             must divide the world size and the ranks per node (or be a multiple of them).
@@ -156,7 +158,7 @@ class ZeroConfig:
     keep_previous_checkpoint: bool = True  # keep .NAME.previous when NAME is overwritten
     verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading
     cpu_allocator: str = "tuned"  # CPU on glibc: "tuned" (freed memory returned) | "default"
-    shard_size: Any = None  # hybrid sharding: ranks per shard group (int), "node", or None: all ranks
+    shard_size: Any = None  # hybrid sharding: ranks per shard group (int), "node", "auto", or None: all ranks
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -215,8 +217,12 @@ class ZeroConfig:
         value = self.shard_size
         if value is None:
             return
-        if value != "node" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"shard_size must be a positive number of ranks, 'node' or null, got {value!r}")
+        if value not in ("node", "auto") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"shard_size must be a positive number of ranks, 'node', 'auto' or null, got {value!r}"
+            )
         if self.stage == 0:
             raise ValueError(
                 f"shard_size={value!r} with stage 0: stage 0 shards nothing, so there is no group to shard "

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -252,9 +252,16 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             cfg = self._config
             policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
-            self._engine = make_engine(
-                cfg, sharding_comm(self.comm, cfg.shard_size, cfg.stage, self.num_nodes), policy
+            group = sharding_comm(
+                self.comm,
+                cfg.shard_size,
+                cfg.stage,
+                self.num_nodes,
+                module=self.model,
+                device=self.root_device,
+                report=rank_zero_info,
             )
+            self._engine = make_engine(cfg, group, policy)
             off = cfg.nonfinite_grads == "off"
             self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
             self._user_precision_plugin = self.precision_plugin

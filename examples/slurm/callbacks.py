@@ -229,6 +229,10 @@ class RunDigest(L.Callback):
             "global_step": trainer.global_step,
             "param_sha256": sha256,
             "val_losses": sorted(self._val_losses.items()),
+            "trainable_params": sum(
+                p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad
+            ),
+            "link_bytes": _link_bytes(trainer.strategy),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,3 +240,12 @@ class RunDigest(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._val_losses = {int(k): float(v) for k, v in state_dict["val_losses"].items()}
+
+
+def _link_bytes(strategy: Any) -> dict[int, dict[str, float]]:
+    """Per kept step, the wire bytes this rank sent over intra- and inter-node links (this package's
+    strategies; see [Note: links] in lightning_zero/comm/ledger.py); empty for other strategies."""
+    ledger = getattr(strategy, "ledger", None)
+    if ledger is None or not hasattr(ledger, "link_bytes"):
+        return {}
+    return {step: ledger.link_bytes(step) for step in ledger.steps()}

@@ -550,6 +550,12 @@ class Communicator:
             handle.wait()
         return handle
 
+    def probe_all_reduce(self, tensor: Tensor, *, name: str) -> None:
+        """A synchronous all-reduce counted apart from the ZeRO traffic, as a control collective (the
+        link probes of ``shard_size="auto"``, comm/mesh.py)."""
+        launch = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
+        self._issue("all_reduce", name, tensor.numel() * tensor.element_size(), launch, control=True).wait()
+
     def reduce_scatter(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Sum ``input`` (1D, N x shard) across ranks; rank r receives chunk r in ``output``."""
         nbytes = input.numel() * input.element_size()

@@ -20,11 +20,19 @@ ranks per node G, or G divides K.
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 NODE = "node"  # shard_size="node": one shard group per node
+AUTO = "auto"  # shard_size="auto": chosen from the memory budget and the measured links
+PROBE_BYTES = (4 * 1024, 4 * 2**20)  # all-reduce sizes timed per link: latency, then bandwidth
+PROBE_REPEATS = 5  # timed all-reduces per size (the median counts), after one untimed
 
 
 class Mesh(NamedTuple):
@@ -63,6 +71,8 @@ def resolve_shard_size(value: int | str | None, world_size: int, ranks_per_node:
     if value is None:
         return world_size
     k = ranks_per_node if value == NODE else value
+    if value == AUTO:
+        raise ValueError("shard_size='auto' is resolved by sharding_comm, which measures the links")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"shard_size must be a positive number of ranks, 'node' or None, got {value!r}")
     if world_size % k:
@@ -114,16 +124,31 @@ def build_mesh(shard_size: int, world_size: int, ranks_per_node: int) -> Mesh:
 _MESHES: dict[tuple[int, int, int], Mesh] = {}  # (K, N, G) -> its groups: one set per process
 
 
-def sharding_comm(comm: Any, shard_size: int | str | None, stage: int, num_nodes: int) -> Any:
+def sharding_comm(
+    comm: Any,
+    shard_size: int | str | None,
+    stage: int,
+    num_nodes: int,
+    *,
+    module: torch.nn.Module | None = None,
+    device: torch.device | None = None,
+    report: Callable[[str], None] | None = None,
+) -> Any:
     """The communicator the engine shards over: ``comm`` itself (full sharding), or with K < N its
     shard group's, carrying the replicate group's as ``replicate`` (see [Note: hybrid comms] in
     ``collectives.py``). Sets the links the ledger files each group's collectives under. Collective
-    the first time a shape is asked for in a process (the groups are made once, then kept)."""
+    the first time a shape is asked for in a process (the groups are made once, then kept).
+    ``shard_size="auto"`` measures the links and chooses K for ``module`` on ``device`` (see
+    :func:`choose_automatically`); ``report`` prints the choice and its alternatives."""
     n = comm.world_size
     if num_nodes < 1 or n % num_nodes:
         raise ValueError(f"{n} ranks cannot be spread evenly over {num_nodes} nodes")
     g = n // num_nodes
     comm.link = "inter" if spans_nodes(list(range(n)), g) else "intra"
+    if shard_size == AUTO:
+        if module is None or device is None:
+            raise ValueError("shard_size='auto' needs the module and its device to choose")
+        shard_size = choose_automatically(comm, stage, g, module, device, report) if comm.active else None
     k = resolve_shard_size(shard_size, n, g, stage)
     if k >= n or not comm.active:
         return comm
@@ -138,3 +163,96 @@ def sharding_comm(comm: Any, shard_size: int | str | None, stage: int, num_nodes
         mesh.replicate_group, link="inter" if spans_nodes(replicas, g) else "intra"
     )
     return shard
+
+
+# -- shard_size="auto" -----------------------------------------------------------------------------
+
+_NODE_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}  # (G, N) -> (this node's group, across nodes)
+
+
+def choose_automatically(
+    comm: Any,
+    stage: int,
+    ranks_per_node: int,
+    module: torch.nn.Module,
+    device: torch.device,
+    report: Callable[[str], None] | None = None,
+) -> int:
+    """K for ``shard_size="auto"``: the planner's choice (``planning.hybrid.choose_shard_size``) for
+    this model's trainable parameters, the memory of one rank's device, and the two links measured
+    now: a few timed all-reduces inside this node and across the nodes (rank 0's figures, so that
+    every rank chooses the same K). Collective."""
+    from lightning_zero.planning.hybrid import Link, choose_shard_size, format_shard_table
+
+    n, g = comm.world_size, ranks_per_node
+    psi = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    element = max((p.element_size() for p in module.parameters() if p.requires_grad), default=4)
+    within, across = _node_groups(g, n)
+    fastest = Link(alpha=1e-9, bandwidth=1e15)  # a link no group of the plan crosses
+    intra = measure_link(comm.subgroup(within, link="intra"), device, "intra") if g > 1 else fastest
+    inter = measure_link(comm.subgroup(across, link="inter"), device, "inter") if n > g else fastest
+    intra, inter = comm.broadcast_object((intra, inter), name="mesh/links", device=device, control=True)
+    budget = _device_memory(device) / (g if device.type == "cpu" else 1)
+    choice = choose_shard_size(
+        psi,
+        n,
+        stage,
+        ranks_per_node=g,
+        intra=intra,
+        inter=inter,
+        memory_budget=budget,
+        param_bytes=element,
+        grad_bytes=element,
+    )
+    if report is not None:
+        report(
+            f"lightning_zero: shard_size='auto' chose {choice.shard_size} for {psi:,} trainable parameters "
+            f"on {n} ranks ({g} per node), links measured: inside a node {intra.alpha * 1e6:.0f} us + "
+            f"{intra.bandwidth / 1e9:.2f} GB/s, across nodes {inter.alpha * 1e6:.0f} us + "
+            f"{inter.bandwidth / 1e9:.2f} GB/s, memory budget {budget / 2**30:.1f} GiB per rank\n"
+            f"{format_shard_table(choice)}"
+        )
+    return choice.shard_size
+
+
+def _node_groups(ranks_per_node: int, world_size: int) -> tuple[Any, Any]:
+    """This rank's node group and its group across the nodes (made once per process)."""
+    key = (ranks_per_node, world_size)
+    if key not in _NODE_GROUPS:
+        nodes = [shard_ranks(i * ranks_per_node, ranks_per_node) for i in range(world_size // ranks_per_node)]
+        acrosses = [replicate_ranks(i, ranks_per_node, world_size) for i in range(ranks_per_node)]
+        within, _ = dist.new_subgroups_by_enumeration(nodes, backend=dist.get_backend())
+        across, _ = dist.new_subgroups_by_enumeration(acrosses, backend=dist.get_backend())
+        _NODE_GROUPS[key] = (within, across)
+    return _NODE_GROUPS[key]
+
+
+def measure_link(group_comm: Any, device: torch.device, label: str) -> Any:
+    """Alpha and bandwidth of the link ``group_comm``'s ranks share: the median time of all-reduces
+    of PROBE_BYTES (counted apart in the ledger, as control collectives); bandwidth in the ring's
+    wire bytes per rank, as the planner counts them."""
+    from lightning_zero.planning.hybrid import Link
+
+    n = group_comm.world_size
+    medians = []
+    for nbytes in PROBE_BYTES:
+        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        samples = []
+        for i in range(PROBE_REPEATS + 1):
+            start = time.perf_counter()
+            group_comm.probe_all_reduce(tensor, name=f"mesh/probe/{label}")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first sets the connection up
+                samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    wire = [2 * (n - 1) / n * nbytes for nbytes in PROBE_BYTES]
+    bandwidth = (wire[1] - wire[0]) / max(medians[1] - medians[0], 1e-9)
+    return Link(alpha=max(medians[0] - wire[0] / bandwidth, 1e-9), bandwidth=bandwidth)
+
+
+def _device_memory(device: torch.device) -> float:
+    """Bytes of memory of ``device``: the GPU's, or the host's physical memory."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -51,7 +51,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor, nn
@@ -264,7 +264,16 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             )
         cfg = self._config
         policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision.precision)
-        engine = make_engine(cfg, sharding_comm(self.comm, cfg.shard_size, cfg.stage, self.num_nodes), policy)
+        group = sharding_comm(
+            self.comm,
+            cfg.shard_size,
+            cfg.stage,
+            self.num_nodes,
+            module=module,
+            device=self.root_device,
+            report=rank_zero_info,
+        )
+        engine = make_engine(cfg, group, policy)
         self.precision = training_precision(
             self.precision, policy, self.comm, engine.label, self.root_device.type
         )

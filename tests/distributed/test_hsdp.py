@@ -40,7 +40,7 @@ FP32_TOL = 1e-6
 # (full sharding at stage 3: 5.4e-4), against weights of order 1 whose bf16 spacing is 4e-3 to 8e-3
 BF16_TOL = 2e-3
 CASES = (Case(), Case(accumulate=3, clip=0.05), Case(precision="bf16-mixed"))
-VARIANTS = ((0, None), (1, 2), (2, 2), (3, 2), (1, None), (2, None), (3, None))  # (stage, shard_size)
+VARIANTS = ((0, None), (1, 2), (2, 2), (3, 2), (1, None), (2, None), (3, None), (3, "auto"))  # (stage, K)
 FABRIC = ((None, None), (2, 2), (3, 2))  # Fabric's ddp, then hybrid stages
 RESUMES = (  # (stage, shard_size, form) that saves after epoch 1 -> (stage, shard_size) that resumes
     ((3, 2, "full"), (2, None)),
@@ -81,15 +81,36 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def fit(stage: int, shard_size: int | None, case: Case, root: str) -> dict[str, Any]:
+def fit(stage: int, shard_size: int | str | None, case: Case, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = MatrixModule(case, per_rank=BATCH)
     strategy = _strategy(stage, shard_size)
     _trainer(strategy, case, root, epochs=1).fit(model)
+    chosen = strategy._fitted.comm.world_size  # K: the size of the group the engine sharded over
     ledger = strategy.ledger
     records = [(r.op, r.name, r.wire_bytes, r.link, r.group_size) for r in ledger.records if r.step == 1]
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"params": _params(model), "links": ledger.link_bytes(1), "records": records, "psi": psi}
+    return {
+        "params": _params(model),
+        "links": ledger.link_bytes(1),
+        "records": records,
+        "psi": psi,
+        "k": chosen,
+    }
+
+
+def auto_report(root: str) -> dict[str, Any]:
+    """``shard_size="auto"``'s choice made directly, with its printed report."""
+    import torch.distributed as dist
+
+    from lightning_zero.comm import Communicator
+    from lightning_zero.comm.mesh import choose_automatically
+
+    comm = Communicator()
+    comm.watch_faults()
+    reports: list[str] = []
+    k = choose_automatically(comm, 3, 2, MatrixModule(Case()), torch.device("cpu"), reports.append)
+    return {"k": k, "report": "\n".join(reports), "rank": dist.get_rank()}
 
 
 def save_then_resume(saver: tuple, resumer: tuple, folder: str, root: str) -> dict[str, Any]:
@@ -139,6 +160,7 @@ def runs(tmp_path_factory) -> dict:
     for saver, resumer in RESUMES:
         todo[("resume", saver, resumer)] = functools.partial(save_then_resume, saver, resumer, str(root))
     todo[("uninterrupted",)] = uninterrupted
+    todo[("auto",)] = auto_report
     for stage, shard_size in FABRIC:
         todo[("fabric", stage, shard_size)] = functools.partial(fabric_fit, stage, shard_size)
     ranks = run_jobs(list(todo.values()), str(root / "ranks"), world=WORLD, timeout=900, nodes=NODES)
@@ -203,6 +225,21 @@ def test_a_checkpoint_resumes_with_another_shard_size_and_stage(runs):
         if any(_max_diff(r["params"], ranks[0]["params"]) != 0.0 for r in ranks[1:]):
             errors.append(f"saved by {saver}, resumed by {resumer}: the ranks differ")
     assert not errors, "\n".join(errors)
+
+
+def test_auto_chooses_one_shard_size_on_every_rank_from_measured_links(runs):
+    """``shard_size="auto"``: every rank takes the same valid K (1, 2 or 4 here), trains as zero0, and
+    the choice is printed with the measured links and the planner's table of alternatives."""
+    for case in CASES:
+        chosen = {r["k"] for r in runs[("fit", case, 3, "auto")]}
+        assert len(chosen) == 1 and chosen <= {1, 2, 4}, chosen
+    direct = runs[("auto",)]
+    assert len({r["k"] for r in direct}) == 1
+    report = direct[0]["report"]
+    assert f"shard_size='auto' chose {direct[0]['k']}" in report, report
+    assert "links measured: inside a node" in report and "across nodes" in report, report
+    for k in (1, 2, 4):  # the planner's table: one row per valid K
+        assert any(line.split()[:1] == [str(k)] for line in report.splitlines()), report
 
 
 def test_a_fabric_loop_with_hybrid_sharding_trains_as_fabric_ddp(runs):

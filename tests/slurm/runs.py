@@ -224,12 +224,19 @@ class ReferenceRuns:
         self._jobs: dict[str, Job] = {}  # strategy -> finished job
 
     def get(self, strategy: str) -> Job:
+        """``strategy``: a strategy config, with options after ``+`` (``zero3+shard_size=node``)."""
         if strategy not in self._jobs:
-            run_dir = self.root / strategy
-            overrides = [f"strategy={strategy}", *TRAIN_OVERRIDES]
+            run_dir = self.root / strategy.replace("=", "-").replace("+", "_")
+            overrides = [*strategy_overrides(strategy), *TRAIN_OVERRIDES]
             job_id, log = self.cluster.submit_training(run_dir, overrides, name=f"train-{strategy}")
             self._jobs[strategy] = self.cluster.finish(job_id, log, run_dir, timeout=180)
         return self._jobs[strategy]
+
+
+def strategy_overrides(strategy: str) -> list[str]:
+    """Hydra overrides for ``name+option=value+...``: the strategy config and its options."""
+    name, *options = strategy.split("+")
+    return [f"strategy={name}", *(f"strategy.{option}" for option in options)]
 
 
 def assert_two_nodes_in_step(digests: list[dict], *, environment: str, steps: int, explain: str = "") -> None:
