@@ -24,7 +24,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.planning import hybrid_traffic
@@ -59,8 +59,22 @@ def _strategy(stage: int, shard_size: int | None, form: str = "full") -> ZeroStr
     return ZeroStrategy(stage=stage, **options)
 
 
-def _trainer(strategy: ZeroStrategy, case: Case, root: str, epochs: int) -> Trainer:
+class MemoryAfterFirstStep(Callback):
+    """The model-state bytes this rank holds after the first optimizer step (strategy.memory_report)."""
+
+    def __init__(self) -> None:
+        self.report = None
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        if self.report is None and trainer.global_step == 1:
+            self.report = trainer.strategy.memory_report()
+
+
+def _trainer(
+    strategy: ZeroStrategy, case: Case, root: str, epochs: int, callbacks: list | None = None
+) -> Trainer:
     return Trainer(
+        callbacks=callbacks or [],
         strategy=strategy,
         accelerator="cpu",
         devices=WORLD // NODES,
@@ -85,7 +99,8 @@ def fit(stage: int, shard_size: int | str | None, case: Case, root: str) -> dict
     torch.manual_seed(0)
     model = MatrixModule(case, per_rank=BATCH)
     strategy = _strategy(stage, shard_size)
-    _trainer(strategy, case, root, epochs=1).fit(model)
+    memory = MemoryAfterFirstStep()
+    _trainer(strategy, case, root, epochs=1, callbacks=[memory]).fit(model)
     chosen = strategy._fitted.comm.world_size  # K: the size of the group the engine sharded over
     ledger = strategy.ledger
     records = [(r.op, r.name, r.wire_bytes, r.link, r.group_size) for r in ledger.records if r.step == 1]
@@ -96,6 +111,7 @@ def fit(stage: int, shard_size: int | str | None, case: Case, root: str) -> dict
         "records": records,
         "psi": psi,
         "k": chosen,
+        "memory": memory.report,
     }
 
 
@@ -212,6 +228,24 @@ def test_only_the_replicas_all_reduce_crosses_nodes(runs):
         assert set(full) == {"inter"}  # full sharding over 2 nodes: every collective crosses
         if stage == 3:
             assert full["inter"] >= 2 * links["inter"], (full, links)
+
+
+def test_memory_per_rank_divides_by_the_shard_size(runs):
+    """fp32, SGD with momentum: the sharded terms (stage 3's parameters, the optimizer state) hold
+    1/K of the model with K = 2, twice what full sharding (K = N = 4) holds, up to padding; the
+    unsharded terms (stages 1-2's parameters, stage 1's gradients) are the same."""
+    pad = 4 * WORLD * 8  # < N padding elements per flat space, 4 bytes each, a few spaces
+    for stage in (1, 2, 3):
+        hybrid = runs[("fit", Case(), stage, 2)][0]["memory"]
+        full = runs[("fit", Case(), stage, None)][0]["memory"]
+        psi = runs[("fit", Case(), stage, 2)][0]["psi"]
+        assert abs(hybrid.optimizer_states - 4 * psi / 2) <= pad, (stage, hybrid)
+        assert abs(hybrid.optimizer_states - 2 * full.optimizer_states) <= 2 * pad, (stage, hybrid, full)
+        if stage == 3:
+            assert abs(hybrid.parameters - 4 * psi / 2) <= pad, hybrid
+            assert abs(hybrid.parameters - 2 * full.parameters) <= 2 * pad, (hybrid, full)
+        else:
+            assert hybrid.parameters == full.parameters and hybrid.gradients == full.gradients
 
 
 def test_a_checkpoint_resumes_with_another_shard_size_and_stage(runs):
