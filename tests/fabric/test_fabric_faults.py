@@ -118,7 +118,7 @@ def _check_peer_failure(text: str, raised: dict, failing: int = 1) -> re.Match:
     return found
 
 
-@pytest.mark.slow  # timing-sensitive: failed once in a clean-clone run of the whole suite, passes alone
+@pytest.mark.slow  # two launches of 4 processes, about 30 s (make test-slow)
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_multiprocessing_launchers_name_the_failing_rank(tmp_path, start_method):
     """The worker that raised publishes before torch's wrapper takes the error, and leaves last:

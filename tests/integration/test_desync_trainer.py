@@ -223,7 +223,7 @@ def test_a_collective_skipped_by_one_rank_is_found_by_the_watchdog(tmp_path):
     )  # watchdog_s, the answers, fault_wait_s for rank 0 (in Lightning's wait)
 
 
-@pytest.mark.slow  # timing-sensitive: a healthy rank was named "did not answer" in whole-suite runs
+@pytest.mark.slow  # about 30 s of deliberate waits (make test-slow)
 def test_long_steps_saves_and_validation_are_never_a_desync(tmp_path):
     """Three waits of 3 s against a watchdog at 0.5 s: reported while they last, nothing stopped."""
     runs = _run(
