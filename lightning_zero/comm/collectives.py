@@ -70,6 +70,12 @@ from lightning_zero.comm.faults import (
     store_lost_message,
     this_process,
 )
+from lightning_zero.comm.inplace import (
+    Works,
+    all_gather_by_broadcasts,
+    all_reduce_for_scatter,
+    copies_in_backend,
+)
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.timing import CUDA_EVENTS, StreamInterval, timing_for
 from lightning_zero.comm.tracker import CollectiveTracker, Issued, RankState
@@ -119,11 +125,14 @@ class _Waiter:
             except BaseException as err:  # handed to the caller
                 waiting.error = err
             finally:
+                waiting.work = None  # a work holds its tensors: they are freed with the caller's
                 waiting.done.set()
+                waiting = None
 
 
 _WAITER = _Waiter()
 _UNTIMED_OPS = ("reduce_scatter",)  # gloo ops whose Work.wait(timeout) blocks past the timeout
+# (not when done in place, as an all-reduce: see [Note: collectives in place] in inplace.py)
 
 
 class CollectivesStopped(RuntimeError):
@@ -167,6 +176,8 @@ class Handle:
             start = time.perf_counter()
             self._comm.wait_for(self._work, self._issued)
             self._comm.ledger.add_wait(self._op, time.perf_counter() - start)
+        if isinstance(self._work, Works):  # a collective done in place: its output filled in now
+            self._work.finish()
         self._work = None
 
     @property
@@ -456,7 +467,8 @@ class Communicator:
                 raise explained from err
 
     def _wait_in_slices(self, work: Any, issued: Issued | None) -> None:
-        if issued is not None and issued.op in _UNTIMED_OPS and not work.is_completed():
+        untimed = issued is not None and issued.op in _UNTIMED_OPS and not isinstance(work, Works)
+        if untimed and not work.is_completed():
             self._wait_in_background(work, issued)
             return
         while True:
@@ -556,16 +568,19 @@ class Communicator:
         launch = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
         self._issue("all_reduce", name, tensor.numel() * tensor.element_size(), launch, control=True).wait()
 
-    def reduce_scatter(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
-        """Sum ``input`` (1D, N x shard) across ranks; rank r receives chunk r in ``output``."""
+    def reduce_scatter(
+        self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True, scratch_input: bool = False
+    ) -> Handle:
+        """Sum ``input`` (1D, N x shard) across ranks; rank r receives chunk r in ``output``.
+        ``scratch_input``: the caller no longer needs ``input``'s values, so that gloo may reduce
+        in it instead of in a copy of it (see [Note: collectives in place] in inplace.py)."""
         nbytes = input.numel() * input.element_size()
-        handle = self._issue(
-            "reduce_scatter",
-            name,
-            nbytes,
-            lambda: _REDUCE_SCATTER(output, input, group=self.group, async_op=True),
-            device=input.device,
-        )
+        if scratch_input and input.is_contiguous() and self.active and copies_in_backend(input, self.group):
+            where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
+            launch = lambda: all_reduce_for_scatter(output, input, **where)  # noqa: E731
+        else:
+            launch = lambda: _REDUCE_SCATTER(output, input, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("reduce_scatter", name, nbytes, launch, device=input.device)
         if not self.active:
             output.copy_(input)
         if not async_op:
@@ -573,15 +588,15 @@ class Communicator:
         return handle
 
     def all_gather(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
-        """Concatenate every rank's ``input`` shard into ``output`` (1D, N x shard)."""
+        """Concatenate every rank's ``input`` shard into ``output`` (1D, N x shard); on gloo in
+        place, by broadcasts (see [Note: collectives in place] in inplace.py)."""
         nbytes = output.numel() * output.element_size()
-        handle = self._issue(
-            "all_gather",
-            name,
-            nbytes,
-            lambda: _ALL_GATHER(output, input, group=self.group, async_op=True),
-            device=output.device,
-        )
+        if output.is_contiguous() and self.active and copies_in_backend(output, self.group):
+            where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
+            launch = lambda: all_gather_by_broadcasts(output, input, **where)  # noqa: E731
+        else:
+            launch = lambda: _ALL_GATHER(output, input, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("all_gather", name, nbytes, launch, device=output.device)
         if not self.active:
             output.copy_(input)
         if not async_op:

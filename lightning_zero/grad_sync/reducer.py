@@ -192,8 +192,9 @@ class GradReducer:
             reduce-scatter once per window (less traffic, more memory) instead of every micro-batch.
         reduce_dtype: dtype of the buckets (on the wire); None: the parameters' dtype (see
             [Note: reduce dtype]).
-        max_reduce_buffers: stage 2: reduce-scatters (each with its full-size bucket) in flight at
-            once; a new one first finishes the oldest and frees its bucket.
+        max_reduce_buffers: stage 2: full-size buckets alive at once, the ones in flight and the
+            ones filling; a bucket about to be allocated first finishes the oldest reduce-scatter
+            and frees its bucket.
     """
 
     def __init__(
@@ -298,8 +299,16 @@ class GradReducer:
         if self.spaces is not None and bucket.persistent:
             self.spaces[bucket.index].keep_grad()
         if bucket.flat is None:
+            self._make_room()
             self.buffer_meter.add(bucket.spec.padded_numel * _itemsize(bucket.spec.dtype))
         return bucket.allocate()
+
+    def _make_room(self) -> None:
+        """Stage 2, before a bucket is allocated: hand on the oldest reductions until at most
+        ``max_reduce_buffers`` full-size buckets are alive with it, those still filling counted."""
+        filling = sum(1 for b in self.buckets if b.flat is not None and b.handle is None)
+        while self._in_flight and len(self._in_flight) + filling >= self.max_reduce_buffers:
+            self._hand_on(self._in_flight.popleft())
 
     def grad_tensors(self) -> list[Tensor]:
         """Every tensor that holds gradient storage now (for memory accounting)."""
@@ -479,19 +488,21 @@ class GradReducer:
             bucket.handle = self.comm.all_reduce(flat, name=f"{self.label}/all_reduce/bucket={bucket.index}")
             return
         size = flat.numel() // self.comm.world_size
-        # stage 1 reduces in place into its own chunk; stage 2 into a fresh shard (the bucket is freed)
-        own = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
-        bucket.shard_out = own if bucket.persistent else torch.empty_like(own)
+        # in place, into this rank's chunk: stage 2 copies it out when it hands the shard on
+        bucket.shard_out = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
-        bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name)
+        bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name, scratch_input=True)
 
     def _hand_on(self, bucket: Bucket) -> None:
         """Wait for a bucket's reduce-scatter, add its shard into the shard gradient, free it."""
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
         bucket.handle.wait()
         self._sum_over_replicas(bucket.shard_out, f"bucket={bucket.index}")
-        self.spaces[bucket.index].accumulate_grad(bucket.shard_out, lend=bucket.persistent)
-        if not bucket.persistent:
+        space = self.spaces[bucket.index]
+        space.accumulate_grad(bucket.shard_out, lend=True)
+        if not bucket.persistent:  # the shard gets storage of its own, and the bucket is freed
+            space.keep_grad()
+            bucket.shard_out = None
             self.buffer_meter.add(-bucket.flat.numel() * bucket.flat.element_size())
         bucket.release()
         bucket.handed_on = True
@@ -566,7 +577,7 @@ class GradReducer:
         flat.div_(self.comm.mean_over)
         shard = torch.empty(flat.numel() // self.comm.world_size, dtype=flat.dtype, device=flat.device)
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}/late"
-        self.comm.reduce_scatter(shard, flat, name=name).wait()
+        self.comm.reduce_scatter(shard, flat, name=name, scratch_input=True).wait()
         self._sum_over_replicas(shard, f"bucket={bucket.index}/late")
         space = self.spaces[bucket.index]
         space.keep_grad()

@@ -512,7 +512,7 @@ class ShardedUnit:
         self.reduce_in, self.grad_buffer = buffer, None
         self.reduce_out = torch.empty(space.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
-        self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name)
+        self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name, scratch_input=True)
 
     def _count_buffer(self, nbytes: int) -> None:
         if self.buffer_meter is not None:

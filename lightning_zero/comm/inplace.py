@@ -1,0 +1,95 @@
+"""Reduce-scatter and all-gather without the full-size copy gloo makes of their tensors.
+
+[Note: collectives in place]
+gloo's flat-tensor reduce-scatter (``reduce_scatter_tensor``) clones its whole input when it is
+launched, all-reduces the clone and copies chunk r of it into the output; its flat all-gather
+(``all_gather_into_tensor``) gathers into a buffer of the output's size and copies that over. Each
+collective in flight therefore holds a second copy of its full size: stage 1 launches every
+bucket before it waits for any, so its backward held a second copy of all its gradients (4Ψ),
+stage 2 one per reduce buffer, and the parameter all-gather after the step one per gloo worker
+thread. On CPU tensors under gloo the Communicator does instead, with the same bits as a result:
+
+- a reduce-scatter whose input the caller no longer needs (``scratch_input=True``; every bucket,
+  unit buffer and set-aside gradient in the package) is an all-reduce *in* the input, which is
+  what gloo runs on its clone, and chunk r is copied into the output when the wait returns,
+  unless the output is chunk r of the input (stage 1 reduces a bucket in place);
+- an all-gather copies the input into chunk r of the output (unless it is that chunk already)
+  and broadcasts every chunk from the rank that owns it, in place (N broadcasts, waited as one).
+
+The ledger still records one reduce-scatter or all-gather of the logical size (see [Note: logical
+bytes] in ledger.py). NCCL writes its output directly: nothing changes on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+
+def copies_in_backend(tensor: Tensor, group: Any | None) -> bool:
+    """Whether ``group`` runs collectives on ``tensor`` with gloo (CPU tensors), whose reduce-scatter
+    and all-gather copy their tensors whole (see [Note: collectives in place])."""
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+def chunk_of(flat: Tensor, rank: int, world_size: int) -> Tensor:
+    """Chunk ``rank`` of the 1D view of ``flat`` (its numel a multiple of ``world_size``)."""
+    size = flat.numel() // world_size
+    return flat.reshape(-1)[rank * size : (rank + 1) * size]
+
+
+def same_tensor(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` are the same elements of the same storage (one is a view standing for the other)."""
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+
+
+def all_reduce_for_scatter(output: Tensor, input: Tensor, *, rank: int, world_size: int, group: Any) -> Any:
+    """Launch the all-reduce in ``input`` that stands for a reduce-scatter into ``output``; the
+    returned work's :meth:`then` copies chunk ``rank`` into ``output`` after the wait."""
+    work = dist.all_reduce(input, group=group, async_op=True)
+    own = chunk_of(input, rank, world_size)
+    return Works([work], then=None if same_tensor(own, output) else (output, own))
+
+
+def all_gather_by_broadcasts(output: Tensor, input: Tensor, *, rank: int, world_size: int, group: Any) -> Any:
+    """Launch an all-gather into ``output`` as one broadcast per chunk, from the chunk's owner."""
+    own = chunk_of(output, rank, world_size)
+    if not same_tensor(own, input):
+        own.copy_(input.reshape(-1))
+    works = []
+    for owner in range(world_size):
+        src = dist.get_global_rank(group, owner) if group is not None else owner
+        works.append(dist.broadcast(chunk_of(output, owner, world_size), src, group=group, async_op=True))
+    return Works(works)
+
+
+class Works:
+    """torch Works waited as one collective: ``wait`` (with a slice timeout, as gloo's) waits for
+    each in turn, ``is_completed`` when all are; ``then`` is a (destination, source) copy that
+    :meth:`finish` makes after the last wait returned."""
+
+    def __init__(self, works: Sequence[Any], *, then: tuple[Tensor, Tensor] | None = None) -> None:
+        self.works = list(works)  # the torch Works, in launch order
+        self.then = then  # (output, chunk of the input) to copy once complete; None: nothing
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def finish(self) -> None:
+        """After a successful wait, on the waiting thread: the reduce-scatter's output filled in."""
+        if self.then is not None:
+            output, own = self.then
+            output.copy_(own.view_as(output))
+            self.then = None

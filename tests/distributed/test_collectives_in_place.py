@@ -1,0 +1,87 @@
+"""gloo's reduce-scatter and all-gather done in place ([Note: collectives in place] in
+lightning_zero/comm/inplace.py): the same bits as torch's collectives, and no full-size copy."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.comm import Communicator
+from tests.bigmodel.lit import peak_rss_mb, release_free_heap, reset_peak, rss_mb
+from tests.distributed.harness import run_ranks
+
+MIB = 2**20
+
+
+def _values(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values spread over many magnitudes, so that the order of a sum shows in its bits."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(numel, generator=g) * torch.logspace(-4, 4, numel)).to(dtype)
+
+
+def _same_bits(rank: int, world: int) -> list[str]:
+    """Where the package's reduce-scatter and all-gather differ from torch's (empty: nowhere)."""
+    comm = Communicator()
+    wrong = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (world * 5, world * 40_001):
+            x = _values(rank, numel, dtype)
+            expected = torch.empty(numel // world, dtype=dtype)
+            dist.reduce_scatter_tensor(expected, x.clone())
+            apart = torch.empty_like(expected)  # the output is a tensor of its own
+            comm.reduce_scatter(apart, x.clone(), name="rs/apart", scratch_input=True).wait()
+            flat = x.clone()  # the output is this rank's chunk of the input (stage 1)
+            own = flat[rank * (numel // world) : (rank + 1) * (numel // world)]
+            comm.reduce_scatter(own, flat, name="rs/own", scratch_input=True).wait()
+            kept = x.clone()  # the input stays as it was: torch's own collective
+            plain = torch.empty_like(expected)
+            comm.reduce_scatter(plain, kept, name="rs/plain").wait()
+            gathered = torch.empty(numel, dtype=dtype)
+            comm.all_gather(gathered, expected, name="ag/apart").wait()
+            full = torch.zeros(numel, dtype=dtype)  # the input is this rank's chunk of the output
+            full[rank * (numel // world) : (rank + 1) * (numel // world)].copy_(expected)
+            comm.all_gather(
+                full, full[rank * (numel // world) : (rank + 1) * (numel // world)], name="ag/own"
+            ).wait()
+            reference = torch.empty(numel, dtype=dtype)
+            dist.all_gather_into_tensor(reference, expected)
+            checks = {
+                "reduce-scatter into its own output": torch.equal(apart, expected),
+                "reduce-scatter into the input's chunk": torch.equal(own, expected),
+                "reduce-scatter that keeps its input": torch.equal(plain, expected) and torch.equal(kept, x),
+                "all-gather": torch.equal(gathered, reference),
+                "all-gather from the output's chunk": torch.equal(full, reference),
+            }
+            wrong += [f"{what} ({dtype}, {numel})" for what, ok in checks.items() if not ok]
+    return wrong
+
+
+def test_in_place_collectives_give_torch_s_bits(tmp_path):
+    for wrong in run_ranks(_same_bits, 3, tmp_path):
+        assert wrong == []
+
+
+def _transients(rank: int, world: int) -> dict[str, float]:
+    """MiB the resident size rose above what the tensors themselves need, per collective."""
+    comm = Communicator()
+    numel = 64 * MIB // 4
+    flat = torch.ones(numel)
+    out = torch.ones(numel // world)
+    rises = {}
+    for name, run in (
+        ("reduce-scatter", lambda: comm.reduce_scatter(out, flat, name="rs", scratch_input=True)),
+        ("all-gather", lambda: comm.all_gather(flat, out, name="ag")),
+    ):
+        for _ in range(2):  # the second: gloo's own buffers exist already
+            release_free_heap()
+            start = rss_mb()
+            reset_peak()
+            run().wait()
+            rises[name] = peak_rss_mb() - start
+    return rises
+
+
+def test_in_place_collectives_hold_no_full_size_copy(tmp_path):
+    # torch's reduce_scatter_tensor and all_gather_into_tensor on gloo rise by the whole 64 MiB
+    for rises in run_ranks(_transients, 2, tmp_path):
+        assert all(rise < 8 for rise in rises.values()), rises
