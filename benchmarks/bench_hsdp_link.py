@@ -350,7 +350,7 @@ def rows_of(job: dict[str, Any], psi: int, warmup: int) -> list[Row]:
         step = statistics.median(medians)
         plan = hybrid_traffic(psi, WORLD, 3, ranks_per_node=PER_NODE, shard_size=shard_size,
                               param_bytes=4, grad_bytes=4, groups=runs[0]["units"])  # fmt: skip
-        predicted = hybrid_comm_time(plan, intra=intra, inter=inter)
+        predicted = hybrid_comm_time(plan, intra=intra, inter=inter, backend="gloo")
         compute = statistics.median(r["compute_s"] for r in runs)
         comm = step - compute
         links = runs[0]["links"]

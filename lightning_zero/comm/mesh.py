@@ -203,6 +203,7 @@ def choose_automatically(
         memory_budget=budget,
         param_bytes=element,
         grad_bytes=element,
+        backend=dist.get_backend(),
     )
     if report is not None:
         report(

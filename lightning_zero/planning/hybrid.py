@@ -214,19 +214,31 @@ class Link(NamedTuple):
     bandwidth: float  # bytes/s: ring wire bytes one rank sends per second on such a group
 
 
-def hybrid_comm_time(traffic: HybridTraffic, *, intra: Link, inter: Link) -> float:
+# bytes a backend sends for an op, as a multiple of the ring model's: gloo reduce-scatters by
+# all-reducing (measured: docs/benchmarks.md, "Hybrid sharding on a slowed link")
+BACKEND_WIRE_FACTORS: dict[str, dict[str, float]] = {"gloo": {"reduce_scatter": 2.0}}
+
+
+def hybrid_comm_time(
+    traffic: HybridTraffic, *, intra: Link, inter: Link, backend: str | None = None
+) -> float:
     """Seconds the step's collectives occupy the links, one after another (alpha-beta):
 
         intra_calls x alpha_intra + intra / W_intra + inter_calls x alpha_inter + inter / W_inter
 
     A collective is charged at the inter-node link whenever its group spans nodes, all of its
-    bytes. Not the exposed time: overlap with compute is not modelled.
+    bytes. Not the exposed time: overlap with compute is not modelled. ``backend``: the bytes it
+    really sends where they differ from the ring model's (BACKEND_WIRE_FACTORS: gloo's
+    reduce-scatter sends an all-reduce's); None: the ring model.
     """
     _check_link("intra", intra)
     _check_link("inter", inter)
-    intra_s = traffic.intra_calls * intra.alpha + traffic.intra / intra.bandwidth
-    inter_s = traffic.inter_calls * inter.alpha + traffic.inter / inter.bandwidth
-    return intra_s + inter_s
+    factors = BACKEND_WIRE_FACTORS.get(backend or "", {})
+    seconds = 0.0
+    for c in traffic.collectives:
+        link = inter if c.spans_nodes else intra
+        seconds += c.calls * link.alpha + factors.get(c.op, 1.0) * c.wire / link.bandwidth
+    return seconds
 
 
 def _check_link(name: str, link: Link) -> None:
@@ -266,6 +278,7 @@ def evaluate_shard_size(
     inter: Link | None = None,
     memory_budget: float | None = None,
     groups: int | None = None,
+    backend: str | None = None,
     **memory_options: Any,
 ) -> ShardOption:
     """Memory per rank, bytes per link and predicted seconds for one K (None: N).
@@ -286,7 +299,11 @@ def evaluate_shard_size(
     )
     k = traffic.layout.shard_size
     mem = model_state_memory(psi, world_size, stage, shard_size=k, **memory_options).total
-    seconds = None if intra is None or inter is None else hybrid_comm_time(traffic, intra=intra, inter=inter)
+    seconds = (
+        None
+        if intra is None or inter is None
+        else hybrid_comm_time(traffic, intra=intra, inter=inter, backend=backend)
+    )
     fits = None if memory_budget is None else mem <= memory_budget
     return ShardOption(k, traffic.layout.replicas, mem, traffic.intra, traffic.inter, seconds, fits)
 
@@ -301,6 +318,7 @@ def choose_shard_size(
     inter: Link,
     memory_budget: float | None,
     groups: int | None = None,
+    backend: str | None = None,
     **memory_options: Any,
 ) -> ShardChoice:
     """``shard_size="auto"``: the valid K with the least predicted communication whose model states
@@ -328,6 +346,7 @@ def choose_shard_size(
             inter=inter,
             memory_budget=memory_budget,
             groups=groups,
+            backend=backend,
             **memory_options,
         )
         for k in valid_shard_sizes(world_size, ranks_per_node)

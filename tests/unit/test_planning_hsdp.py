@@ -216,6 +216,17 @@ def test_time_of_the_worked_case():
     assert seconds(3, 4, groups=2) == pytest.approx(5 * 0.01 + 7.5e6 / 1e8)  # 125 ms
 
 
+def test_time_with_the_bytes_gloo_sends():
+    """On gloo a reduce-scatter sends an all-reduce's bytes: twice the ring model's, the rest alike."""
+    hybrid = hybrid_traffic(PSI, 4, 2, ranks_per_node=2, shard_size=2, **FP32)
+    full = hybrid_traffic(PSI, 4, 2, ranks_per_node=2, shard_size=4, **FP32)
+    # stage 2, K = 2: the reduce-scatter's 2 MB inside the node count twice: 6 ms + 2 ms, inter as before
+    assert hybrid_comm_time(hybrid, intra=INTRA, inter=INTER, backend="gloo") == pytest.approx(0.038)
+    # K = 4: 3 MB of reduce-scatter across the nodes count twice: 80 ms + 30 ms
+    assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="gloo") == pytest.approx(0.11)
+    assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="nccl") == pytest.approx(0.08)
+
+
 def test_time_rejects_a_bad_link():
     t = hybrid_traffic(PSI, 4, 2, ranks_per_node=2, shard_size=2)
     with pytest.raises(ValueError, match="inter-node link's bandwidth must be > 0"):
