@@ -472,7 +472,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="unshaped job then shaped job, this many times")
     p.add_argument("--timeout", type=float, default=300, help="seconds one job may take")
     p.add_argument("--out-dir", default=None, help="write hsdp_link.json, .csv, .png here")
-    p.add_argument("--report", default=None, help="print the tables of this JSON and run nothing")
+    p.add_argument(
+        "--report",
+        default=None,
+        help="print the tables of this JSON (with --out-dir: rewrite its CSV and plot) and run nothing",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
@@ -488,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         return bench_hsdp_link.worker(args)
     if args.report:
         with open(args.report) as f:
-            return report(json.load(f), None)
+            return report(json.load(f), args.out_dir)
     if os.geteuid() != 0:
         raise SystemExit("bench_hsdp_link.py needs root (ip netns, tc qdisc); run it as uid 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
