@@ -71,9 +71,10 @@ class ZeroConfig:
             gathers each unit as it runs). None: True unless the model was built on the meta
             device, the sign that it does not fit one rank.
         max_reduce_buffers: stages 2-3: how many full-size gradient buffers (reduce-scatter inputs)
-            may be alive at once in backward; before another reduce-scatter starts, the oldest is
-            waited and its buffer freed. Small keeps the gradient memory of backward at a few
-            buckets or units instead of the whole model; larger lets more communication overlap.
+            may be alive at once in backward (stage 2: the buckets reducing and the one filling);
+            before another is needed, the oldest reduce-scatter is waited and its buffer freed.
+            Small keeps the gradient memory of backward at a few buckets or units instead of the
+            whole model; larger lets more communication overlap.
         elementwise_optimizers: stages 1-3: optimizer classes (import paths) to treat as
             elementwise besides SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop and
             Adadelta; the sharded stages refuse any other optimizer at setup.
