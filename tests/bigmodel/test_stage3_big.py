@@ -110,6 +110,7 @@ def _build(mode: str, stage: int, root: str, **options) -> dict:
     }
 
 
+@pytest.mark.slow  # about 15 s; deferred init also in tests/fabric/test_deferred.py and the fuzzer (make test-slow; default suite kept near 15 min)
 def test_deferred_initialisation(tmp_path):
     """configure_model and init_module(empty_init=True) build on the meta device at stage 3 and get the
     values a normal build would have (reset_parameters, rank 0's random state), on every rank; the
@@ -171,6 +172,7 @@ def _init_fn(kind: str, root: str) -> dict:
     return {"error": None, "state": state}
 
 
+@pytest.mark.slow  # about 15 s (make test-slow; default suite kept near 15 min)
 def test_param_init_fn_and_a_module_without_reset_parameters(tmp_path):
     jobs = [functools.partial(_init_fn, kind) for kind in ("init_fn", "missing")]
     for init_fn, missing in run_jobs(jobs, str(tmp_path), world=2, timeout=600):
@@ -251,6 +253,7 @@ def _buffers(stage: int, limit: int, root: str) -> dict:
     return {"peak": max(peaks.peaks), "sizes": sizes, "root": root}
 
 
+@pytest.mark.slow  # about 12 s (make test-slow; default suite kept near 15 min)
 def test_gradient_buffers_are_bounded_in_backward(tmp_path):
     jobs = [functools.partial(_buffers, stage, limit) for stage in (2, 3) for limit in (1, 2, 100)]
     for rank in run_jobs(jobs, str(tmp_path), world=2, timeout=600):
@@ -284,6 +287,7 @@ def _after_fit(gather: bool | None, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # about 10 s (make test-slow; default suite kept near 15 min)
 def test_module_after_fit(tmp_path):
     jobs = [functools.partial(_after_fit, g) for g in (None, True, False)]
     ranks = run_jobs(jobs, str(tmp_path), world=2, timeout=600)

@@ -140,6 +140,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, stage, ligh
     assert max_diff(final[0], final[1]) == 0.0
 
 
+@pytest.mark.slow  # about 18 s (make test-slow; default suite kept near 15 min)
 def test_loss_scale_is_checkpointed_and_resume_is_exact(tmp_path):
     _, full = _fit(tmp_path / "full", 2, max_epochs=2)
     _fit(tmp_path / "first", 2, max_epochs=1, checkpoint=True)

@@ -22,6 +22,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow  # about 25 s: one SLURM job per strategy (make test-slow; default suite kept near 15 min)
 def test_multirun_submits_one_job_per_strategy(slurm_cluster: SlurmCluster, tmp_path: Path):
     sweep_dir = tmp_path / "sweep"
     args = [

@@ -83,6 +83,7 @@ def _assert_saved_intact(run_dir: Path, log: str, signal_name: str) -> int:
     return step
 
 
+@pytest.mark.slow  # about 65 s: two job starts; SIGUSR1 requeue stays in the default suite (make test-slow; default suite kept near 15 min)
 def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(
     slurm_cluster: SlurmCluster, reference_runs: ReferenceRuns, tmp_path: Path
 ):
@@ -110,6 +111,7 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(
         )
 
 
+@pytest.mark.slow  # about 20 s (make test-slow; default suite kept near 15 min)
 def test_scancel_saves_an_intact_checkpoint_and_ends_the_job(slurm_cluster: SlurmCluster, tmp_path: Path):
     run_dir = tmp_path / "run"
     job_id, log = _started(

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.slurm.runs import (
     REPO_ROOT,
     TRAIN_OVERRIDES,
@@ -38,6 +40,7 @@ def torchrun_agent(port: int, run_dir: Path, log: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow  # about 20 s (make test-slow; default suite kept near 15 min)
 def test_torchrun_two_nodes_train_in_step(tmp_path: Path):
     port = free_port()
     run_dir = tmp_path / "run"
