@@ -22,12 +22,39 @@ Lightning's own collectives of another size. The per-batch agreement of signals 
 device-to-host synchronisation (the table lives on the host) and it checks the ranks' positions
 once per batch, where NCCL itself would pair mismatched collectives silently or hang.
 
-Cost on gloo: one AllReduce of 40N bytes and a host wait per collective (``CommLedger.checks``
-counts them). A rank that waits in a check for a slower rank waits there instead of in the
+Cost on gloo: one AllReduce of 40N bytes and a host wait per checked collective
+(``CommLedger.checks`` counts them). The wait is the larger part: it holds a rank that issues an
+asynchronous collective (a prefetched all-gather, a reduce-scatter in backward) until its peer
+reaches the same collective, which takes away the slack that lets ranks drift within a step. So
+once a step's collectives repeat, they are no longer checked one by one (next note). A rank that waits in a check for a slower rank waits there instead of in the
 collective, so that time is added to the ledger's waits under the collective's op, as exposed
 communication, the same as the collective's own wait would have been. NCCL collectives are not
 checked one by one (the host would wait for its peers at every collective, and NCCL does not
 abort on sizes): the agreement and the watchdog check them.
+
+[Note: learned schedule]
+A training step issues the same collectives in the same order every step. Each rank keeps a
+:class:`Schedule`: for each run of ``CONTEXT`` consecutive collectives (op, bytes, name), the
+collective that followed it, and how many checks in a row found that same successor on every
+rank (a run rather than one collective: a stage-3 unit's all-gather is followed by the next
+unit's in forward and by a reduce-scatter in backward). Once ``TRUST_AFTER`` checks
+have (two steps), the successor is *expected*, and a collective equal to the expected one is
+issued without a check. The schedule changes only on checked collectives, whose rows every rank
+saw alike, so every rank holds the same schedule and expects the same collective at the same
+sequence number; ranks that each issue the expected one issue the same collective.
+
+A rank whose collective is not the expected one (a desync, or a change of pattern such as the
+end of an epoch, which every rank makes) posts it on the fault board as a *deviation* and checks
+it as before. When every rank deviates alike, the check pairs their tables and passes, and the
+schedule learns the new successor. When only some do, the others have issued the expected
+collective without a check: gloo holds it (nothing is sent to them: the deviating ranks issued
+nothing on the main group), and between two wait slices a rank held that way reads the posted
+deviations: one whose sequence number names another collective than its own there is a desync
+for certain, which it publishes (every rank stops, named, as after a failed check) within a poll
+slice or two. A rank held in a wait that no Python code interrupts (one of Lightning's own
+collectives) is stopped by the watchdog as any desync is. Collectives whose sizes the package does
+not know (Lightning's own, tracked) and control collectives are never expected: they are always
+checked. The per-batch agreement still compares the ranks' positions once per batch.
 """
 
 from __future__ import annotations
@@ -117,6 +144,51 @@ class SideGroup:
         return self.table.tolist()
 
 
+Signature = tuple[str, int, str]  # (op, payload bytes, name): what a check compares, but the number
+TRUST_AFTER = 2  # checks in a row that found a successor before it is expected (a step's pattern twice)
+CONTEXT = 3  # the latest collectives that key the successor
+
+
+def signature(issued: Issued) -> Signature:
+    return (issued.op, issued.nbytes, issued.name)
+
+
+class Schedule:
+    """The collectives every rank expects next, learned from checked ones ([Note: learned schedule]).
+
+    Args:
+        trust_after: checks in a row that must find a successor before it is expected; None: never
+            (every collective is checked).
+    """
+
+    def __init__(self, trust_after: int | None = TRUST_AFTER) -> None:
+        self.trust_after = trust_after
+        self.last: tuple[Signature, ...] = ()  # the latest CONTEXT collectives, checked or expected
+        self._next: dict[tuple[Signature, ...], tuple[Signature, int]] = {}  # successor, checks found it
+
+    def expected(self) -> Signature | None:
+        """The collective every rank is expected to issue next, or None when it must be checked."""
+        known = self._next.get(self.last)
+        if known is None or self.trust_after is None or known[1] < self.trust_after:
+            return None
+        return known[0]
+
+    def followed(self, sig: Signature) -> None:
+        """The expected collective ``sig`` was issued (unchecked)."""
+        self.last = (*self.last, sig)[-CONTEXT:]
+
+    def checked(self, sig: Signature, *, expectable: bool) -> None:
+        """``sig`` was checked and every rank issued it; ``expectable``: whether it may ever be
+        expected (False: its size is unknown to the package, or it is a control collective)."""
+        if not expectable:
+            self._next.pop(self.last, None)
+        else:
+            known = self._next.get(self.last)
+            count = known[1] + 1 if known is not None and known[0] == sig else 1
+            self._next[self.last] = (sig, count)
+        self.followed(sig)
+
+
 def elsewhere(rows: list[list[int]], me: int) -> list[int]:
     """The ranks whose row names another collective than ``me``'s."""
     return [r for r, row in enumerate(rows) if row[SEQ:] != rows[me][SEQ:]]
@@ -133,4 +205,20 @@ def desync_report(me: int, states: dict[int, RankState], others: list[int], rank
     ]
     for r in ranks:
         lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} did not answer")
+    return "\n".join(lines)
+
+
+def deviation_report(me: int, states: dict[int, RankState], deviating: list[int], ranks: list[int]) -> str:
+    """The desync a rank finds when ``deviating`` ranks posted, under a number where it issued the
+    expected collective, collectives of their own ([Note: learned schedule])."""
+    mine = states[me].waiting
+    lines = [
+        f"lightning_zero watchdog: rank {me} is in {mine.describe()}, the collective every rank "
+        "issued at this point of the previous steps; the ranks are out of step (a desync): every rank "
+        "must issue the same collectives in the same order, and these never will; rank(s) "
+        f"{', '.join(map(str, deviating))} issued another collective under its number (nothing was "
+        "sent to them):"
+    ]
+    for r in ranks:
+        lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} is elsewhere")
     return "\n".join(lines)

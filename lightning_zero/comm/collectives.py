@@ -13,7 +13,9 @@ and a wait that can end for a reason other than the collective completing. On gl
 whose ``wait`` blocks the host) ``Handle.wait`` waits in slices of ``POLL_S`` seconds and, between
 two slices, reads the fault board: a peer that published an error ([Note: failures travel through
 the store] in ``faults.py``) ends the wait at once with that peer's message, as does a desync the
-watchdog found (``watchdog.py``), or a peer found dead (its pid on this host, its heartbeat). Two
+watchdog found (``watchdog.py``), or a peer found dead (its pid on this host, its heartbeat), and a
+peer's posted deviation from the collectives every rank expected ([Note: learned schedule] in
+``checks.py``) under a number where this rank issued another, which is a desync. Two
 quirks of gloo shape the loop: a failed work does not report ``is_completed()`` (the slice's own
 "Operation timed out!" tells a running collective from a failed one), and the reduce-scatter's
 ``wait`` ignores its timeout, so that one waits in a daemon thread (``_Waiter``) while the caller
@@ -50,12 +52,15 @@ from torch import Tensor
 
 from lightning_zero.comm.checks import (
     FLAGS,
+    Schedule,
     SideGroup,
     desync_report,
+    deviation_report,
     elsewhere,
     in_step,
     issued_from_row,
     row_of,
+    signature,
 )
 from lightning_zero.comm.faults import (
     FaultBoard,
@@ -246,6 +251,7 @@ class Communicator:
         self.side: SideGroup | None = None  # gloo group for host tables (watch_faults); see checks.py
         # gloo: every collective checked before it is issued ([Note: checked issue] in checks.py)
         self.check_issue = self._blocking_waits
+        self.schedule = Schedule()  # the collectives expected without a check ([Note: learned schedule])
         if is_distributed():
             _destroy_at_exit()
 
@@ -291,6 +297,7 @@ class Communicator:
         sub.members = dist.get_process_group_ranks(group)
         sub.link = link
         sub.replicate = None
+        sub.schedule = Schedule(self.schedule.trust_after)  # the group's own sequence of collectives
         sub.side = SideGroup.create(group, sub.world_size) if self.side is not None else None
         return sub
 
@@ -355,7 +362,7 @@ class Communicator:
         else:
             self.ledger.record(op, name, payload_bytes, self.world_size, link=self.link)
         issued = self.tracker.issue(op, name, payload_bytes)
-        self._check(issued, timed_as=None if control else op)
+        self._check(issued, timed_as=None if control else op, expectable=not control)
         with torch.profiler.record_function(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
@@ -372,17 +379,30 @@ class Communicator:
 
     # -- checked issue (see [Note: checked issue] in ``checks.py``) --------------------------------
 
-    def _check(self, issued: Issued, *, timed_as: str | None = None) -> None:
-        """On gloo, before ``issued`` is launched: every rank is about to issue the same collective.
-        The time it blocks (a rank waiting here for a slower one) is exposed communication, added
-        to the ledger under ``timed_as`` as ``Handle.wait`` adds its own (None: not timed)."""
+    def _check(self, issued: Issued, *, timed_as: str | None = None, expectable: bool = False) -> None:
+        """On gloo, before ``issued`` is launched: every rank is about to issue the same collective,
+        checked, or expected by every rank ([Note: learned schedule] in ``checks.py``). The time a
+        check blocks (a rank waiting there for a slower one) is exposed communication, added to the
+        ledger under ``timed_as`` as ``Handle.wait`` adds its own (None: not timed). ``expectable``:
+        whether the schedule may expect it (False: its size is unknown here, or it is control)."""
         if not self.check_issue or self.side is None:
             return
+        sig = signature(issued)
+        expected = self.schedule.expected()
+        if expected == sig:
+            self.schedule.followed(sig)
+            return
+        if expected is not None and self.board is not None:
+            try:  # where the others, expecting it, may have issued the expected one unchecked
+                self.board.post_deviation(issued)
+            except StoreUnreachable:
+                pass
         self.ledger.record_check(self.side.table.numel() * self.side.table.element_size(), self.world_size)
         start = time.perf_counter()
         self._exchange(issued, 0)
         if timed_as is not None:
             self.ledger.add_wait(timed_as, time.perf_counter() - start)
+        self.schedule.checked(sig, expectable=expectable)
 
     def _exchange(self, issued: Issued, flags: int) -> list[list[int]]:
         """Every rank's row (``flags`` and its collective) on every rank, over the side group;
@@ -509,6 +529,8 @@ class Communicator:
             if faults or stop:
                 self.board.note(self.me, where)  # read: the failing rank may leave now
             lost, silent_s = self.liveness.lost() if self.liveness is not None else ([], None)
+            if not (stop or faults or lost):
+                self._stop_if_deviated()
         except StoreUnreachable as err:
             raise PeerFailure(store_lost_message(self.ranks, self.me, where, err)) from err
         if stop:
@@ -517,6 +539,36 @@ class Communicator:
             raise PeerFailure(fault_message(faults, self.me, where, None), faults)
         if lost:
             raise PeerFailure(lost_message(lost, self.me, where, None, silent_s=silent_s), lost=lost)
+
+    def _stop_if_deviated(self) -> None:
+        """Raise :class:`CollectivesStopped` (published for every rank) when a peer posted a
+        deviation under a sequence number where this rank issued another collective, the expected
+        one, unchecked ([Note: learned schedule] in ``checks.py``)."""
+        posted = self.board.deviations()
+        if not posted:
+            return
+        mine = {i.seq: i for i in tuple(self.tracker.recent)}
+        apart = {r: i for r, i in posted.items() if i.seq in mine and signature(mine[i.seq]) != signature(i)}
+        if not apart:
+            return
+        seq = min(i.seq for i in apart.values())
+        deviating = sorted(r for r, i in apart.items() if i.seq == seq)
+        states = {r: self._posted_state(r, apart[r]) for r in deviating}
+        states[self.me] = RankState(
+            self.me, self._host(self.me), self.tracker.last, mine[seq], self.tracker.blocked_for()
+        )
+        report = deviation_report(self.me, states, deviating, sorted(states))
+        print(report, file=sys.stderr, flush=True)
+        self.stop_reason = report
+        self.board.publish_stop(report)
+        self.board.note(self.me, mine[seq].describe())
+        raise CollectivesStopped(report)
+
+    def _host(self, rank: int) -> str:
+        return self.ranks[rank].host if rank < len(self.ranks) else "?"
+
+    def _posted_state(self, rank: int, issued: Issued) -> RankState:
+        return RankState(rank, self._host(rank), issued, issued, 0.0)
 
     def _note(self, issued: Issued | None) -> None:
         """Tell rank 0 (the store's host, lingering after a failure) that this rank has read the board."""
@@ -692,7 +744,7 @@ class Communicator:
         self._check_can_issue(name)
         self.ledger.record(op, name, payload_bytes, self.world_size, wire=wire, link=self.link)
         issued = self.tracker.issue(op, name, payload_bytes)
-        self._check(issued, timed_as=op)
+        self._check(issued, timed_as=op, expectable=True)
         with torch.profiler.record_function(name):
             work = launch()
         self.tracker.launched(issued, work)

@@ -214,6 +214,22 @@ class FaultBoard:
 
     # -- a desync found by a check (see [Note: checked issue] in ``checks.py``) ------------------
 
+    def post_deviation(self, issued: Issued) -> None:
+        """This rank issues ``issued`` where every rank was expected to issue another collective
+        ([Note: learned schedule] in ``checks.py``): its latest such, one key per rank."""
+        self._set(f"deviation/{self.rank}", list(issued))
+        self._count("deviations", 1)
+
+    def deviations(self) -> dict[int, Issued]:
+        """Every other rank's latest posted deviation (nothing read but one counter when none was)."""
+        if not self._count("deviations"):
+            return {}
+        return {
+            r: Issued(*self._get(f"deviation/{r}"))
+            for r in range(self.world_size)
+            if r != self.rank and self._has(f"deviation/{r}")
+        }
+
     def post_collective(self, check: int | str, issued: Issued) -> None:
         """This rank's collective at its ``check``-th table, which did not match (for its name)."""
         self._set(f"desync/{check}/{self.rank}", list(issued))

@@ -9,6 +9,7 @@ first test shows it with the check turned off).
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -126,3 +127,65 @@ def test_a_slow_rank_is_never_a_desync(tmp_path):
     assert rank0.stderr.count("some ranks are not in a collective: they are slow") >= 2, rank0.stderr
     assert "out of step (a desync)" not in rank0.stderr + rank1.stderr
     assert rank0.seconds >= 7.0
+
+
+def _steps(comm: Communicator, steps: int, order_at: dict[int, tuple[str, ...]]) -> float:
+    """``steps`` steps of two all-gathers of different sizes (units a, b); ``order_at[step]``: the
+    units this rank gathers at that step instead of ("a", "b")."""
+    numel = {"a": 8, "b": 12}
+    total = 0.0
+    for step in range(1, steps + 1):
+        for unit in order_at.get(step, ("a", "b")):
+            out = torch.zeros(numel[unit] * 2)
+            comm.all_gather(
+                out, torch.ones(numel[unit]), name=f"zero3/all_gather/unit={unit}", async_op=False
+            )
+            total += float(out.sum())
+    return total
+
+
+def _expected_then_apart(rank: int, world_size: int) -> str:
+    """Past the learning steps, rank 1 gathers unit b where both expect a (another size)."""
+    comm = _comm()
+    _steps(comm, 5, {5: ("b", "a")} if rank == 1 else {})
+    return "completed"
+
+
+def test_a_desync_where_every_rank_expects_one_collective_is_named_on_every_rank(tmp_path):
+    """Rank 0 issues the expected all-gather unchecked ([Note: learned schedule] in
+    lightning_zero/comm/checks.py); rank 1 posts its deviation and checks: no abort, both named."""
+    outcomes = run_ranks(_expected_then_apart, 2, tmp_path, timeout=90)
+    for o in outcomes:
+        assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert "the ranks are out of step (a desync)" in o.error
+        seq = re.search(
+            r"rank 0 \(\S+\) waits in all_gather #(\d+) zero3/all_gather/unit=a \(64 B\)", o.error
+        )
+        assert seq, o.error
+        assert f"rank 1 ({HOST}) waits in all_gather #{seq[1]} zero3/all_gather/unit=b (96 B)" in o.error
+        assert "rank(s) 1 issued another collective under its number" in o.error
+        assert o.seconds < BOUND_S, o.seconds
+    assert "Received data size" not in outcomes[0].stderr + outcomes[1].stderr
+
+
+def _checks_counted(rank: int, world_size: int, alike_at: int | None) -> tuple[float, int]:
+    comm = _comm()
+    total = _steps(comm, 8, {alike_at: ("b", "a")} if alike_at else {})
+    return total, comm.ledger.checks.calls
+
+
+def test_repeated_collectives_are_checked_until_learned_and_a_change_every_rank_makes_is_no_desync(tmp_path):
+    """Two steps teach the schedule; then only what changes is checked. Every rank changing its
+    order alike (the end of an epoch) passes its checks and trains on."""
+    (tmp_path / "plain").mkdir(), (tmp_path / "changed").mkdir()
+    plain = run_ranks(_checks_counted, 2, tmp_path / "plain", None, timeout=90)
+    changed = run_ranks(_checks_counted, 2, tmp_path / "changed", 5, timeout=90)
+    gathered = 8 * (8 + 12) * 2.0  # 8 steps, both units, two ranks of ones
+    for o in plain + changed:
+        assert o.exitcode == 0 and o.result[0] == gathered, o
+    # the warm-up, then each run of three collectives checked until its successor was seen twice
+    # (the first seven gathers): 8 of 17, none after step 4
+    assert [o.result[1] for o in plain] == [8, 8]
+    # step 5 changes order (both checked, one deviation each), steps 6-7 relearn it: more checks
+    assert all(o.result[1] > 8 for o in changed) and changed[0].result[1] == changed[1].result[1]
+    assert all("out of step" not in o.stderr for o in changed)
