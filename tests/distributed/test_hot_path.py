@@ -97,7 +97,10 @@ def _steps(rank: int, world: int, stage: int, precision: str) -> dict:
     return {"syncs": syncs[1:], "copies": copies[1:]}
 
 
-@pytest.mark.parametrize("precision", ["32-true", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
+# about 25 s each; the default suite counts the same through the Trainer at every stage
+# (tests/integration/test_trainer_host_sync.py), so both precisions run in make test-slow
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_no_host_synchronisation_per_step(tmp_path, precision):
     for stage in (0, 1, 2, 3):
         for rank in run_ranks(_steps, 2, tmp_path, stage, precision):

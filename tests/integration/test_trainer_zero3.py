@@ -51,6 +51,7 @@ def _ranks(out_dir):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
+@pytest.mark.slow  # about 23 s; stage-3 resumes across stages also in the matrix and the fuzzer corpus
 def test_zero3_fit_checkpoint_load_and_evaluate(tmp_path):
     _trainer(0, tmp_path / "zero0", max_epochs=2, checkpoint=True).fit(LitTiny(groups=True, stack=True))
     model = LitTiny(groups=True, stack=True)
