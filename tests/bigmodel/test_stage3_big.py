@@ -8,7 +8,6 @@ benchmarks/bench_big_model.py (see the README's "Models that do not fit one rank
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import os
@@ -392,22 +391,6 @@ def check_phases(peaks: dict, shape: Shape, world: int) -> float:
     return bound
 
 
-@contextlib.contextmanager
-def plain_allocator():
-    """Large blocks straight from and back to the system (glibc otherwise raises its mmap threshold
-    after the first free and serves unit-sized blocks from a heap it keeps): resident memory then
-    measures what is held, not what the allocator kept for later."""
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks when they start
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-
-
 @pytest.mark.skipif(
     not supports_peak_reset(), reason="needs /proc/self/clear_refs to measure peaks per phase"
 )
@@ -417,9 +400,8 @@ def test_no_phase_holds_the_whole_model(tmp_path):
     on top would not fit."""
     shared = str(tmp_path / "shared")
     os.makedirs(shared)
-    with plain_allocator():
-        job = functools.partial(run_phases, PHASES, 3, shared)
-        ranks = run_jobs([job], str(tmp_path / "r"), world=2, timeout=900)
+    job = functools.partial(run_phases, PHASES, 3, shared)  # the package's defaults, no malloc variable
+    ranks = run_jobs([job], str(tmp_path / "r"), world=2, timeout=900)
     trainable, _ = psi(PHASES)
     for peaks in (ranks[0][0], ranks[1][0]):
         bound = check_phases(peaks, PHASES, 2)
