@@ -32,11 +32,13 @@ test: lint
 test-slow: install
 	$(PY) -m pytest -q -p no:cacheprovider -m slow $(ARGS)
 
-# the tests marked gpu (they skip without CUDA), then the one-GPU overhead benchmark (without a GPU
-# it says so and passes); ARGS go to pytest, BENCH_ARGS to the benchmark
+# the tests marked gpu (they skip without CUDA), then the one-GPU overhead benchmark and the
+# per-stage GPU memory report (without a GPU each says so and passes); ARGS go to pytest, BENCH_ARGS
+# to the overhead benchmark
 gpu-check: install
 	$(PY) -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(ARGS)
 	$(PY) benchmarks/bench_gpu_overhead.py --out-dir benchmarks/results $(BENCH_ARGS)
+	$(PY) benchmarks/bench_gpu_memory.py --out-dir benchmarks/results
 
 format: install
 	$(VENV)/bin/ruff format .
