@@ -15,9 +15,12 @@ the unsharded high-water mark. :func:`tune_cpu_allocator` fixes the threshold th
 the user sets nothing. The threshold is 4 MiB, not the 64 KiB of ``MALLOC_MMAP_THRESHOLD_=65536``:
 a mapped block costs a system call and fresh page faults each time it is made, and with 64 KiB
 every activation of a step is one (+15-20% CPU time per step on the 17.9M GPT of
-docs/benchmarks.md, against none measurable at 4 MiB). Buckets, gathered units, gradient
+docs/benchmarks.md, against none measurable at 4 MiB there). Buckets, gathered units, gradient
 buffers and large parameters are mapped and returned; activations and tensors below 4 MiB stay
-in the arenas, where the next step reuses them.
+in the arenas, where the next step reuses them. Activations of 4 MiB and more are mapped too, and
+fault their pages in again every step: on the 0.8M-parameter gpt_small of docs/benchmarks.md,
+whose attention scores and MLP activations are exactly 4 MiB, that is 7-10% of a step at every
+stage (zero0 within the noise of DDP with ``cpu_allocator="default"``, 10-14% behind it tuned).
 
 It is applied once per process, on Linux with glibc only (musl, macOS and Windows have other
 allocators: nothing is done there), only when the strategy trains on CPU (the CUDA caching
