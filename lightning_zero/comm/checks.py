@@ -147,6 +147,8 @@ class SideGroup:
 Signature = tuple[str, int, str]  # (op, payload bytes, name): what a check compares, but the number
 TRUST_AFTER = 2  # checks in a row that found a successor before it is expected (a step's pattern twice)
 CONTEXT = 3  # the latest collectives that key the successor
+MAX_KNOWN = 4096  # runs whose successor is kept; past it the schedule starts over (names made anew each
+# step would otherwise grow it without end; every rank starts over at the same collective)
 
 
 def signature(issued: Issued) -> Signature:
@@ -183,6 +185,8 @@ class Schedule:
         if not expectable:
             self._next.pop(self.last, None)
         else:
+            if len(self._next) >= MAX_KNOWN and self.last not in self._next:
+                self._next.clear()
             known = self._next.get(self.last)
             count = known[1] + 1 if known is not None and known[0] == sig else 1
             self._next[self.last] = (sig, count)

@@ -3,7 +3,7 @@ lightning_zero/comm/checks.py): what it expects, when, and what it never expects
 
 from __future__ import annotations
 
-from lightning_zero.comm.checks import TRUST_AFTER, Schedule
+from lightning_zero.comm.checks import MAX_KNOWN, TRUST_AFTER, Schedule
 
 # stage 3's step for three units: one unit's all-gather is followed by different collectives in
 # forward and in backward, so one collective alone cannot tell what comes next
@@ -57,3 +57,13 @@ def test_never_expected_when_turned_off_or_not_expectable():
     marks = _run(Schedule(), [[*STEP, lightning]] * 5, expectable=lambda sig: sig != lightning)
     assert all(m == "C" for m in marks[len(STEP) :: len(STEP) + 1])  # Lightning's own, every step
     assert marks[-2] == "E"
+
+
+def test_names_made_anew_every_step_never_grow_it_without_end():
+    schedule = Schedule()
+    steps = [
+        [("all_reduce", 4, f"step={i}/bucket=0"), ("all_reduce", 4, "bucket=1")] for i in range(3 * MAX_KNOWN)
+    ]
+    marks = _run(schedule, steps)
+    assert set(marks) == {"C"}  # nothing repeats: everything checked
+    assert len(schedule._next) <= MAX_KNOWN
