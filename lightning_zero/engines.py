@@ -38,10 +38,10 @@ from lightning_zero.zero.flat_param import (
 )
 from lightning_zero.zero.optimizer import (
     ShardedParams,
+    ShardingError,
     check_shardable,
     check_state_shapes,
     resolve_optimizer_classes,
-    shard_optimizer_in_place,
 )
 from lightning_zero.zero.sharded_module import ZeroThree
 from lightning_zero.zero.wrap import make_policy
@@ -356,7 +356,7 @@ class FullyShardedEngine(Engine):
         cfg = self.config
         _check_optimizers(cfg, optimizers)
         self.optimizers = list(optimizers)
-        self.params = [p for _, p in trainable_parameters(module)]
+        trainable_parameters(module)  # raises when there is nothing to train
         self.deferred = is_deferred(module)  # built on the meta device: values come at setup
         device = device if device is not None else _device_of(module)
         self.zero3 = ZeroThree(  # units, hooks and schedule
@@ -377,11 +377,10 @@ class FullyShardedEngine(Engine):
             initializer=self._initializer(rng_state, device) if self.deferred else None,
         )
         _place_buffers(module, device, self.comm, broadcast=not self.deferred, label=self.label)
-        spaces = self.flat_spaces()
-        self.original_groups = {  # optimizer index -> its groups' original parameters
-            i: shard_optimizer_in_place(opt, i, spaces) for i, opt in enumerate(optimizers)
-        }
+        self._stepped: dict[int, tuple[FlatParameter, int]] = {}  # id(what an optimizer steps) -> its place
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
+        for i, optimizer in enumerate(optimizers):
+            self.lay_optimizer(optimizer, i)
         self.wrapped = ZeroModule(module, self.zero3, self.comm, broadcast_buffers=cfg.broadcast_buffers)
         return self.wrapped
 
@@ -391,6 +390,26 @@ class FullyShardedEngine(Engine):
         state = rng_state if rng_state is not None else torch.get_rng_state()
         state = self.comm.broadcast_object(state, name=f"{self.label}/broadcast/init_rng", device=device)
         return Initializer(resolve_init_fn(self.config.param_init_fn), state)
+
+    def lay_optimizer(self, optimizer: Optimizer, index: int) -> None:
+        """Point the optimizer's param groups at the parameters at rest (those it holds from before
+        the model was sharded are replaced by theirs; frozen ones, which never have a gradient, are
+        left out): it then steps the DTensors, as it would under FSDP2."""
+        if optimizer.state:
+            raise ShardingError(
+                f"{type(optimizer).__name__} already holds state; set it up before its first step"
+            )
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                place = self.zero3.sharded_of(p)
+                if place is None or not place[0].params[place[1]].requires_grad:
+                    continue
+                flat, i = place
+                stepped = flat.sub_shard(index, i)
+                self._stepped[id(stepped)] = (flat, i)
+                params.append(stepped)
+            group["params"] = params
 
     def gathered(self) -> Any:
         return self.zero3.gathered()
@@ -404,12 +423,12 @@ class FullyShardedEngine(Engine):
         self.zero3.after_step()
 
     def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any]:
-        return full_optimizer_state(
-            optimizer, index, self.flat_spaces(), self.original_groups[index], self.comm, self.label
-        )
+        groups = self.group_params(optimizer, index)
+        return full_optimizer_state(optimizer, index, self.flat_spaces(), groups, self.comm, self.label)
 
     def load_optimizer_state(self, optimizer: Optimizer, index: int, state: dict[str, Any]) -> None:
-        load_full_optimizer_state(optimizer, index, self.flat_spaces(), self.original_groups[index], state)
+        groups = self.group_params(optimizer, index)
+        load_full_optimizer_state(optimizer, index, self.flat_spaces(), groups, state)
 
     def _master_values(self) -> dict[int, Tensor]:
         return full_parameters(self.param_spaces(), self.comm, self.label)
@@ -438,11 +457,13 @@ class FullyShardedEngine(Engine):
         self.finished = True
 
     def _load_full_weights(self) -> None:
-        """Every parameter gets its full value in storage of its own, one flat space at a time."""
-        for space in self.param_spaces():
-            values = full_parameters([space], self.comm, self.label)
-            for p in space.params:
-                p.data = values[id(p)]
+        """Every parameter becomes a plain one holding its whole value, one flat space at a time."""
+        for unit in self.zero3.units:
+            whole = []
+            for flat in unit.flats:
+                values = full_parameters([flat.flat], self.comm, self.label)
+                whole.append([values[id(p)] for p in flat.flat.params])
+            unit.put_whole(whole)
 
     def full_state_dict(self, module: nn.Module, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """The module's state dict with full parameter values (the optimizer's: fp32 masters under a
@@ -468,10 +489,17 @@ class FullyShardedEngine(Engine):
         return {}
 
     def group_params(self, optimizer: Optimizer, index: int) -> list[list[nn.Parameter]]:
-        return self.original_groups[index]
+        """The module's parameters of each param group (the DTensors it steps, or after a teardown
+        that gathered the weights, the whole parameters that took their place)."""
+        return [[self._module_param(q) for q in group["params"]] for group in optimizer.param_groups]
+
+    def _module_param(self, stepped: Tensor) -> nn.Parameter:
+        place = self._stepped.get(id(stepped))
+        return place[0].params[place[1]] if place is not None else stepped
 
     def values_loaded(self) -> None:
-        """The shards the next gathers read follow the loaded (master) shards."""
+        """Shards were overwritten (a checkpoint): what is gathered now is freed, the next use
+        gathers the loaded values."""
         if not self.finished:
             self.zero3.after_step()
 

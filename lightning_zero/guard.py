@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
+from lightning_zero.zero.dtensor import local_of
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class NonFiniteGuard:
 
     def decide(self, optimizer: Optimizer, loss: Any, *, step: int, device: torch.device) -> bool:
         """True: step. False: skip (the gradients dropped). Raises with ``"stop"``."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [local_of(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         flags = (0 if not isinstance(loss, Tensor) or is_finite([loss.detach()]) else LOSS) | (
             0 if is_finite(grads) else GRADS
         )

@@ -44,7 +44,7 @@ def storage_bytes(tensors: Iterable[Tensor], *, exclude: set[int] | None = None)
     seen = set(exclude or ())
     total = 0
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -62,16 +62,21 @@ def measure(
     given gradient tensors plus the gradients the optimizers' parameters still hold (fp32 master
     gradients, shard gradients: they live until ``zero_grad``), and the optimizers' state tensors."""
     params = [p for p in module.parameters()] + list(extra_params)
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in params}
     optimizers = list(optimizers)
     states = [
         v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)
     ]
     # what the optimizer steps, when it is not the module's own storage: fp32 master copies
     masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    states += [m for m in masters if m.untyped_storage().data_ptr() not in param_ptrs]
+    states += [m for m in masters if _local(m).untyped_storage().data_ptr() not in param_ptrs]
     return MemoryReport(
         parameters=storage_bytes(params),
         gradients=storage_bytes([g for g in [*grad_tensors, *(m.grad for m in masters)] if g is not None]),
         optimizer_states=storage_bytes(states, exclude=param_ptrs),
     )
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank (a DTensor's local shard)."""
+    return getattr(t, "_local_tensor", t)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
+from lightning_zero.zero.dtensor import local_of
 
 
 class _GlobalNormClipping:
@@ -178,6 +179,29 @@ class ZeroGradScaler(torch.amp.GradScaler):
         if scaler.is_enabled() and scaler._scale is not None:
             new.load_state_dict(scaler.state_dict())
         return new
+
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """As torch's, on what this rank holds of each gradient (a stage-3 gradient is a DTensor:
+        its local rows), per device and dtype."""
+        inv, found = {}, {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    grad = local_of(param.grad)
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    groups.setdefault((grad.device, grad.dtype), []).append(grad)
+            for (device, _), grads in groups.items():
+                if device not in found:
+                    found[device] = found_inf.to(device, copy=True)
+                    inv[device] = inv_scale.to(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
+        return found
 
     def unscale_(self, optimizer: Optimizer) -> None:
         super().unscale_(optimizer)

@@ -115,8 +115,7 @@ class Resolver:
             self._kept = None  # freed before the next gather
             self._kept = (key, self.gather(source.space, source.state))
         space = self.spaces[source.space]
-        start, shape = space.offsets[source.position], space.shapes[source.position]
-        return self._kept[1][start : start + shape.numel()].view(shape).to("cpu", copy=True)
+        return space.value_of(self._kept[1], source.position).to("cpu", copy=True)
 
 
 class _Record:
@@ -226,9 +225,8 @@ def write(
             full = gather(space, what)
             for source, (key, nbytes) in pickler.streamed.items():
                 if source.space == space and source.state == what:
-                    start = spaces[space].offsets[source.position]
-                    numel = spaces[space].shapes[source.position].numel()
-                    value = full[start : start + numel].to("cpu", copy=True)  # a storage of its own
+                    value = spaces[space].value_of(full, source.position).reshape(-1)
+                    value = value.to("cpu", copy=True)  # a storage of its own
                     writer.write_record(f"data/{key}", value.untyped_storage(), nbytes)
             del full
 

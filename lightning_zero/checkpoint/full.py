@@ -45,6 +45,7 @@ from lightning_zero.comm import Communicator
 from lightning_zero.streamed import Resolver, Streamed, contains_streamed, plan
 from lightning_zero.streamed import Source as StreamSource
 from lightning_zero.streamed import write as write_streamed
+from lightning_zero.zero.dtensor import local_of
 from lightning_zero.zero.flat_param import full_optimizer_state, original_indices
 
 FABRIC_RECORD = "lightning_zero_fabric"  # a Fabric save's entry naming the user's keys of each role
@@ -287,7 +288,7 @@ def _own_values(engine: Any, space: int, what: tuple[int, str] | None) -> Tensor
         chunk = torch.zeros(flat.shard_numel, dtype=sample.dtype, device=sample.device)
         for i, value in values.items():
             if value is not None:
-                chunk[flat.slices[i].start : flat.slices[i].stop].copy_(value)
+                chunk[flat.slices[i].start : flat.slices[i].stop].copy_(local_of(value).reshape(-1))
     return chunk
 
 
@@ -299,8 +300,8 @@ def _materialize(checkpoint: Any, engine: Any, comm: Communicator, gather: Any, 
         full = gather(space, what)
         if full is None:
             continue
-        for i, (shape, offset) in enumerate(zip(spaces[space].shapes, spaces[space].offsets)):
-            values[(space, i, what)] = full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
+        for i in range(len(spaces[space].shapes)):
+            values[(space, i, what)] = spaces[space].value_of(full, i).to("cpu", copy=True)
 
     def resolve(obj: Any) -> Any:
         if isinstance(obj, Streamed):

@@ -66,6 +66,7 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
 from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _slots
 from lightning_zero.comm import Communicator
+from lightning_zero.zero.dtensor import local_of
 
 # --------------------------------------------------------------------------- the sharded form: save
 
@@ -146,7 +147,7 @@ def _sub_shard_pieces(engine: Any, optimizer: Optimizer, index: int, names: dict
                 if isinstance(value, Tensor) and value.dim() > 0:
                     if start == stop:
                         continue
-                    item = Piece(value.detach(), offset, flat.shapes[i].numel())
+                    item = Piece(local_of(value).detach().reshape(-1), offset, flat.shapes[i].numel())
                 else:
                     item = value.detach() if isinstance(value, Tensor) else _Kept(value)
                 state.setdefault(names[id(flat.params[i])], {})[sname] = item

@@ -33,6 +33,7 @@ from lightning_zero.checkpoint.layout import (
 )
 from lightning_zero.checkpoint.sharded import ShardedModelState, ShardedOptimizerState, _load_items
 from lightning_zero.comm import Communicator
+from lightning_zero.zero.dtensor import like_param
 from lightning_zero.zero.flat_param import original_indices
 
 
@@ -184,7 +185,10 @@ def _plan_sub_shard(flat, i, sub, entries, metadata, dest) -> Callable[[], dict]
         per_element[sname] = buf
 
     def build() -> dict[str, Any]:
-        state: dict[str, Any] = dict(per_element)
+        state: dict[str, Any] = {
+            k: like_param(sub, v.view(flat.local_shape(i))) if flat.rows else v
+            for k, v in per_element.items()
+        }
         for sname, fqn in scalars.items():
             value = _unbox(dest[fqn])
             if isinstance(value, Tensor) and value.dim() > 0:

@@ -209,7 +209,7 @@ def desync_report(me: int, states: dict[int, RankState], others: list[int], rank
     ]
     for r in ranks:
         lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} did not answer")
-    return "\n".join(lines)
+    return "\n".join(lines + _read_at_rest(states))
 
 
 def deviation_report(me: int, states: dict[int, RankState], deviating: list[int], ranks: list[int]) -> str:
@@ -225,4 +225,21 @@ def deviation_report(me: int, states: dict[int, RankState], deviating: list[int]
     ]
     for r in ranks:
         lines.append(f"  {states[r].describe()}" if r in states else f"  rank {r} is elsewhere")
-    return "\n".join(lines)
+    return "\n".join(lines + _read_at_rest(states))
+
+
+AT_REST = "/at_rest/"  # in the names of the collectives a read of a stage-3 parameter at rest makes
+
+
+def _read_at_rest(states: dict[int, RankState]) -> list[str]:
+    """The advice for a desync that a read of a parameter at rest made (a norm, a sum, a whole
+    value): such a read is a collective, which ranks that do not run the same code never join."""
+    names = [s.current().name for s in states.values() if s.current() is not None]
+    reads = sorted({name.split(AT_REST, 1)[1] for name in names if AT_REST in name})
+    if not reads:
+        return []
+    return [
+        f"  {', '.join(reads)}: a stage-3 parameter read at rest (a norm, a sum, a whole value) is a collective "
+        "over its shards; run the code that reads it on every rank (not under rank_zero_only, nor on "
+        "some ranks only), or read strategy.full_state_dict() on every rank and use rank 0's copy"
+    ]

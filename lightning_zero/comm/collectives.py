@@ -215,6 +215,14 @@ def _destroy_at_exit() -> None:
     atexit.register(destroy)
 
 
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
 class Communicator:
     """Collectives over one process group, recorded in a :class:`CommLedger`.
 
@@ -605,10 +613,11 @@ class Communicator:
             return PeerFailure(lost_message(lost, self.me, where, err), lost=lost)
         return None
 
-    def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True) -> Handle:
-        """Sum ``tensor`` in place across ranks."""
+    def all_reduce(self, tensor: Tensor, *, name: str, async_op: bool = True, op: str = "sum") -> Handle:
+        """Reduce ``tensor`` in place across ranks: ``op`` is "sum" (the default), "max" or "min"."""
         nbytes = tensor.numel() * tensor.element_size()
-        launch = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
+        reduce_op = _REDUCE_OPS[op]
+        launch = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)  # noqa: E731
         handle = self._issue("all_reduce", name, nbytes, launch, device=tensor.device)
         if not async_op:
             handle.wait()

@@ -75,7 +75,7 @@ from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.imports import resolve_optimizer_classes
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import resolve_policy, training_precision
-from lightning_zero.zero.optimizer import check_shardable, shard_optimizer_in_place
+from lightning_zero.zero.optimizer import check_shardable
 
 
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
@@ -817,7 +817,7 @@ def _lay_onto(engine: Engine, module: nn.Module, optimizer: Optimizer, index: in
     is given. ``index``: its position among the model's optimizers."""
     if not engine.needs_optimizers_first:
         return
-    _check_own_parameters(module, optimizer)
+    _check_own_parameters(module, optimizer, engine)
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} already holds state (it stepped before fabric.setup_optimizers); "
@@ -825,7 +825,7 @@ def _lay_onto(engine: Engine, module: nn.Module, optimizer: Optimizer, index: in
         )
     if isinstance(engine, FullyShardedEngine):
         check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
-        engine.original_groups[index] = shard_optimizer_in_place(optimizer, index, engine.flat_spaces())
+        engine.lay_optimizer(optimizer, index)
     elif isinstance(engine, ShardedOptimizerEngine):
         check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
         engine.sharded_params.shard_optimizer(optimizer, index)
@@ -835,10 +835,17 @@ def _lay_onto(engine: Engine, module: nn.Module, optimizer: Optimizer, index: in
     engine.optimizers.append(optimizer)
 
 
-def _check_own_parameters(module: nn.Module, optimizer: Optimizer) -> None:
-    """Every parameter the optimizer holds is one of the model's (the sharded stages step only those)."""
+def _check_own_parameters(module: nn.Module, optimizer: Optimizer, engine: Engine) -> None:
+    """Every parameter the optimizer holds is one of the model's (the sharded stages step only those;
+    at stage 3 also those the model had before it was sharded)."""
     own = {id(p) for p in module.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    zero3 = getattr(engine, "zero3", None)
+    foreign = sum(
+        1
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if id(p) not in own and (zero3 is None or zero3.sharded_of(p) is None)
+    )
     if foreign:
         raise ValueError(
             f"the {type(optimizer).__name__} holds {foreign} parameter(s) that are not the model's (a copy, or "

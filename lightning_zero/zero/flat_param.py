@@ -30,6 +30,7 @@ rank holds more than one flat space of full state beyond its shards.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
+from lightning_zero.zero.dtensor import like_param, local_of
 
 
 class Slice(NamedTuple):
@@ -52,36 +54,166 @@ class Slice(NamedTuple):
 class FlatParameter:
     """Layout of one flat space, this rank's shard of it, its sub-shards and their gradient.
 
+    [Note: row layout]
+    Stages 1-2 lay the parameters end to end and cut the space into N equal chunks (a parameter
+    may straddle two ranks). Stage 3 (``rows=True``) shards each parameter by rows, as DTensor's
+    ``Shard(0)`` does: parameter i of d0 rows gets c_i = ceil(d0 / N) rows per rank (the last
+    ranks fewer, or none), and rank r's shard is its rows of every parameter, each padded to
+    C_i = c_i x (elements per row): the shard of rank r holds parameter i at [L_i, L_i + C_i),
+    L_i = C_0 + ... + C_{i-1}. An AllGather of the shards (``gathered``, 1D, N x S) is then
+    rank-major; the unit's unsharded parameters live parameter-major in a buffer of the same size
+    (parameter i at ``offsets[i]`` = N x L_i, padded to N x C_i), and one copy moves between the
+    two (:meth:`copy_out`, :meth:`scatter_into`). A 0-dim parameter is replicated: every rank
+    holds it (one element of every shard; the ReduceScatter of its gradient sums it on each).
+    In both layouts the part of a parameter in a rank's shard is one contiguous range of its
+    flattening (``slices``), which is all that checkpoints and optimizer state rely on.
+
     Args:
         name: readable name (the unit's module path, or ``bucket=3``).
         params: the original parameters, in layout order.
         shard: this rank's chunk of the values (1D, padded_numel / N).
         world_size, rank: N and this rank.
+        rows: the row layout of stage 3 (see [Note: row layout]).
+        shapes: the parameters' shapes (default: as they are now).
     """
 
     def __init__(
-        self, name: str, params: Sequence[Parameter], shard: Tensor, *, world_size: int, rank: int
+        self,
+        name: str,
+        params: Sequence[Parameter],
+        shard: Tensor,
+        *,
+        world_size: int,
+        rank: int,
+        rows: bool = False,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> None:
         self.name = name
-        self.params = list(params)  # original parameters, layout order
-        self.shapes = [p.shape for p in self.params]  # original shapes (stage 3 swaps .data out)
-        self.offsets = _offsets(self.shapes)  # start element of each parameter
-        self.numel = sum(s.numel() for s in self.shapes)  # elements used
-        self.padded_numel = -(-self.numel // world_size) * world_size  # multiple of N
-        self.shard_numel = self.padded_numel // world_size  # S
+        self.params = list(params)  # original parameters, layout order (stage 3: those at rest)
+        self.shapes = list(shapes) if shapes is not None else [p.shape for p in self.params]
+        self.numels = [s.numel() for s in self.shapes]
+        self.numel = sum(self.numels)  # elements used
+        self.world_size = world_size  # N
         self.rank = rank
+        self.rows = rows  # see [Note: row layout]
+        self.replicated = [rows and len(s) == 0 for s in self.shapes]  # held whole by every rank
+        if rows:
+            self.chunks = [self._chunk(s) for s in self.shapes]  # C_i: elements per rank
+            self.local_offsets = _offsets_of(self.chunks)  # L_i: where it starts in each shard
+            self.shard_numel = sum(self.chunks)  # S
+            self.offsets = [world_size * o for o in self.local_offsets]  # in the unsharded buffer
+        else:
+            self.offsets = _offsets_of(self.numels)  # start element of each parameter
+            self.shard_numel = -(-self.numel // world_size)  # S
+        self.padded_numel = self.shard_numel * world_size  # N x S
         self.shard = shard  # 1D, S elements: this rank's values
-        self.slices = [self._slice(o, s.numel()) for o, s in zip(self.offsets, self.shapes)]  # per param
+        self.slices = [self._slice(i) for i in range(len(self.shapes))]  # per param
         self.subs: dict[tuple[int, int], Parameter] = {}  # (optimizer index, param position) -> sub-shard
         self.grad: Tensor | None = None  # 1D, S, shard dtype: reduced gradient of the window
         self._lent = False  # grad aliases storage its producer reuses (stage 1's bucket): see keep_grad
         self._held_before: list[bool] = []  # per parameter: held a gradient before the last accumulation
 
-    def _slice(self, offset: int, numel: int) -> Slice:
-        begin = self.rank * self.shard_numel
+    def _chunk(self, shape: torch.Size) -> int:
+        if len(shape) == 0:
+            return 1
+        inner = math.prod(shape[1:])
+        return -(-shape[0] // self.world_size) * inner
+
+    def _slice(self, i: int) -> Slice:
+        numel = self.numels[i]
+        if self.rows:
+            if self.replicated[i]:
+                return Slice(self.local_offsets[i], self.local_offsets[i] + 1, 0)
+            chunk = self.chunks[i]
+            lo, hi = min(self.rank * chunk, numel), min((self.rank + 1) * chunk, numel)
+            return Slice(self.local_offsets[i], self.local_offsets[i] + hi - lo, lo)
+        offset, begin = self.offsets[i], self.rank * self.shard_numel
         lo = min(max(offset, begin), begin + self.shard_numel)
         hi = max(min(offset + numel, begin + self.shard_numel), lo)
         return Slice(lo - begin, hi - begin, lo - offset)
+
+    def local_shape(self, i: int) -> torch.Size:
+        """Row layout: the shape of this rank's rows of parameter ``i`` (its DTensor's local shape)."""
+        shape = self.shapes[i]
+        if self.replicated[i]:
+            return shape
+        rows = -(-shape[0] // self.world_size)
+        held = max(0, min(rows, shape[0] - self.rank * rows))
+        return torch.Size((held, *shape[1:]))
+
+    def local_view(self, i: int, flat: Tensor) -> Tensor:
+        """Parameter ``i``'s part of a 1D shard-shaped tensor (its values, its gradient), in its
+        local shape (row layout) or flat."""
+        start, stop, _ = self.slices[i]
+        part = flat[start:stop]
+        return part.view(self.local_shape(i)) if self.rows else part
+
+    # -- between the layouts -----------------------------------------------------------------------
+
+    def param_values(self, gathered: Tensor) -> list[Tensor]:
+        """Each parameter's whole value, in its shape, from an AllGather of the shards (1D, N x S):
+        views of it (flat layout) or copies (row layout)."""
+        return [self.value_of(gathered, i) for i in range(len(self.shapes))]
+
+    def value_of(self, gathered: Tensor, i: int) -> Tensor:
+        """Parameter ``i``'s whole value from an AllGather of the shards (see :meth:`param_values`)."""
+        if not self.rows:
+            return gathered[self.offsets[i] : self.offsets[i] + self.numels[i]].view(self.shapes[i])
+        by_rank = gathered.view(self.world_size, self.shard_numel)
+        start = self.local_offsets[i]
+        if self.replicated[i]:
+            return by_rank[0, start].view(self.shapes[i])
+        return by_rank[:, start : start + self.chunks[i]].reshape(-1)[: self.numels[i]].view(self.shapes[i])
+
+    def copy_out(self, gathered: Tensor, full: Tensor) -> None:
+        """Row layout: an AllGather of the shards (rank-major) into the unsharded buffer
+        (parameter-major; see [Note: row layout]), one copy."""
+        n = self.world_size
+        outs = [full[n * o : n * (o + c)].view(n, c) for o, c in zip(self.local_offsets, self.chunks)]
+        torch.split_with_sizes_copy(gathered.view(n, self.shard_numel), self.chunks, dim=1, out=outs)
+
+    def scatter_into(self, values: Sequence[Tensor | None], out: Tensor) -> None:
+        """Whole tensors shaped like the parameters (None: zeros) into ``out`` (1D, N x S) in the
+        layout of an AllGather: rank r's shard at [r*S, (r+1)*S), padding zeroed; cast to ``out``'s
+        dtype. What a ReduceScatter of ``out`` sums, rank by rank."""
+        n, by_rank = self.world_size, out.view(self.world_size, self.shard_numel)
+        if not self.rows:
+            for v, o, k in zip(values, self.offsets, self.numels):
+                if v is None:
+                    out[o : o + k].zero_()
+                else:
+                    out[o : o + k].copy_(v.reshape(-1))
+            out[self.numel :].zero_()
+            return
+        whole = [
+            torch.zeros(sh, dtype=out.dtype, device=out.device) if v is None else v
+            for v, sh in zip(values, self.shapes)
+        ]
+        torch._chunk_cat(
+            [w.reshape(1) if w.dim() == 0 else w for w in whole], dim=0, num_chunks=n, out=by_rank
+        )
+        for i, start in enumerate(self.local_offsets):
+            if self.replicated[i]:
+                by_rank[:, start].copy_(whole[i].reshape(()).expand(n))
+
+    def full_from_params(self) -> Tensor:
+        """The parameters' values as they are now, in the layout of an AllGather (1D, padded_numel)."""
+        p0 = self.params[0]
+        flat = torch.empty(self.padded_numel, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            self.scatter_into([p.detach() for p in self.params], flat)
+        return flat
+
+    def own_chunk(self, flat: Tensor) -> Tensor:
+        return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    def master_shard(self, masters: dict[int, Tensor]) -> Tensor:
+        """This rank's chunk of the master values (1D, S), from id(param) -> master tensor."""
+        first = masters[id(self.params[0])]
+        shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=first.device)
+        for p, (start, stop, offset) in zip(self.params, self.slices):
+            shard[start:stop].copy_(masters[id(p)].reshape(-1)[offset : offset + stop - start])
+        return shard
 
     # -- sub-shards ------------------------------------------------------------------------------
 
@@ -90,7 +222,8 @@ class FlatParameter:
         key = (optimizer_index, position)
         if key not in self.subs:
             start, stop, _ = self.slices[position]
-            self.subs[key] = Parameter(self.shard[start:stop])
+            # stage 3: the parameter at rest itself (a DTensor over its rows of the shard)
+            self.subs[key] = self.params[position] if self.rows else Parameter(self.shard[start:stop])
         return self.subs[key]
 
     def optimizer_subs(self, optimizer_index: int) -> dict[int, Parameter]:
@@ -158,28 +291,6 @@ class FlatParameter:
             if sub.grad is not None:
                 sub.grad = self.grad[self.slices[i].start : self.slices[i].stop]
 
-    # -- values ----------------------------------------------------------------------------------
-
-    def full_from_params(self) -> Tensor:
-        """The padded flat values of the parameters as they are now (1D, padded_numel)."""
-        p0 = self.params[0]
-        flat = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
-        with torch.no_grad():
-            for p, offset in zip(self.params, self.offsets):
-                flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-        return flat
-
-    def own_chunk(self, flat: Tensor) -> Tensor:
-        return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
-
-    def master_shard(self, masters: dict[int, Tensor]) -> Tensor:
-        """This rank's chunk of the master values (1D, S), from id(param) -> master tensor."""
-        first = masters[id(self.params[0])]
-        shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=first.device)
-        for p, (start, stop, offset) in zip(self.params, self.slices):
-            shard[start:stop].copy_(masters[id(p)].reshape(-1)[offset : offset + stop - start])
-        return shard
-
 
 def full_parameters(spaces: Sequence[FlatParameter], comm: Communicator, label: str) -> dict[int, Tensor]:
     """id(param) -> its full value, gathered from the shards one flat space at a time.
@@ -190,8 +301,8 @@ def full_parameters(spaces: Sequence[FlatParameter], comm: Communicator, label: 
     for space in spaces:
         full = torch.empty(space.padded_numel, dtype=space.shard.dtype, device=space.shard.device)
         comm.all_gather(full, space.shard.detach(), name=f"{label}/all_gather/state_dict", async_op=False)
-        for p, shape, offset in zip(space.params, space.shapes, space.offsets):
-            values[id(p)] = full[offset : offset + shape.numel()].view(shape).clone()
+        for p, value in zip(space.params, space.param_values(full)):
+            values[id(p)] = value.clone() if not space.rows else value.contiguous()
     return values
 
 
@@ -212,10 +323,7 @@ def gather_values(
         comm.gather(full, shard, dst=dst, name=f"{label}/gather/state_dict")
     if full is None:
         return {}
-    return {
-        i: full[offset : offset + shape.numel()].view(shape).to("cpu", copy=True)
-        for i, (shape, offset) in enumerate(zip(space.shapes, space.offsets))
-    }
+    return {i: value.to("cpu", copy=True) for i, value in enumerate(space.param_values(full))}
 
 
 def state_dict_with(module: torch.nn.Module, values: dict[int, Tensor]) -> dict[str, Tensor]:
@@ -228,11 +336,11 @@ def state_dict_with(module: torch.nn.Module, values: dict[int, Tensor]) -> dict[
     return {k: v.detach() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def _offsets(shapes: Sequence[torch.Size]) -> list[int]:
+def _offsets_of(sizes: Sequence[int]) -> list[int]:
     offsets, total = [], 0
-    for shape in shapes:
+    for size in sizes:
         offsets.append(total)
-        total += shape.numel()
+        total += size
     return offsets
 
 
@@ -285,7 +393,7 @@ def _unshard_one(optimizer, flat, subs, name, ids, state, comm, label, dst) -> N
         chunk = torch.zeros(flat.shard_numel, dtype=sample.dtype, device=sample.device)
         for i, value in values.items():
             if value is not None:
-                chunk[flat.slices[i].start : flat.slices[i].stop].copy_(value)
+                chunk[flat.slices[i].start : flat.slices[i].stop].copy_(local_of(value).reshape(-1))
         if dst is None or comm.rank == dst:
             full = torch.empty(flat.padded_numel, dtype=sample.dtype, device=sample.device)
         if dst is None:
@@ -295,15 +403,15 @@ def _unshard_one(optimizer, flat, subs, name, ids, state, comm, label, dst) -> N
     if dst is not None and comm.rank != dst:
         return
     device = "cpu" if dst is not None else None
+    whole = flat.param_values(full) if full is not None else None
     for i, value in values.items():
         if value is None:
             continue
-        p, shape, offset = flat.params[i], flat.shapes[i], flat.offsets[i]
-        entry = state.setdefault(ids[id(p)], {})
-        if full is not None:
-            entry[name] = full[offset : offset + shape.numel()].view(shape).to(device, copy=True)
+        entry = state.setdefault(ids[id(flat.params[i])], {})
+        if whole is not None:
+            entry[name] = whole[i].to(device, copy=True)
         else:
-            entry[name] = value.to(device, copy=True) if isinstance(value, Tensor) else value
+            entry[name] = local_of(value).to(device, copy=True) if isinstance(value, Tensor) else value
 
 
 def _per_element(name: str, value: Any) -> bool:
@@ -340,25 +448,46 @@ def _sub_shard_state(flat: FlatParameter, i: int, sub: Tensor, entry: dict[str, 
     state: dict[str, Any] = {}
     for name, value in entry.items():
         if isinstance(value, Tensor) and value.shape == flat.shapes[i] and name != "step":
-            state[name] = value.reshape(-1)[offset : offset + stop - start].to(sub.device, copy=True)
+            part = value.reshape(-1)[offset : offset + stop - start].to(local_of(sub).device, copy=True)
+            state[name] = like_param(sub, part.view(flat.local_shape(i))) if flat.rows else part
         else:
             state[name] = value.clone() if isinstance(value, Tensor) else value
     return state
 
 
-def clip_grad_norm_(optimizer: Optimizer, max_norm: float, comm: Communicator, label: str) -> Tensor:
+def clip_grad_norm_(
+    optimizer: Optimizer, max_norm: float, comm: Communicator, label: str, *, error_if_nonfinite: bool = False
+) -> Tensor:
     """Clip the sub-shard gradients by the norm of the whole, unsharded gradient.
 
-    total = sqrt(AllReduce(sum of the shards' squares)); padding contributes zeros.
+    total = sqrt(AllReduce(sum of the shards' squares)); padding contributes zeros, and a gradient
+    every rank holds whole (stage 3's 0-dim parameters) counts once. ``error_if_nonfinite``: a
+    non-finite total raises before any gradient is touched (as ``torch.nn.utils.clip_grad_norm_``).
     """
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    grads, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                grads.append((local_of(p.grad), _held_whole(p.grad)))
+    device = grads[0][0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        squares += g.detach().float().pow(2).sum()
+    for g, whole in grads:
+        square = g.detach().float().pow(2).sum()
+        squares += square / comm.world_size if whole else square
     comm.all_reduce(squares, name=f"{label}/all_reduce/grad_norm", async_op=False)
     total = squares.sqrt()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of the gradients is {total.item()} (non-finite); the gradients are not usable "
+            "and were left as they are. Pass error_if_nonfinite=False to clip anyway (the step then writes NaN/inf)"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g, _ in grads:
         g.detach().mul_(coef.to(g.dtype))
     return total
+
+
+def _held_whole(grad: Tensor) -> bool:
+    """A stage-3 gradient every rank holds whole (a replicated 0-dim parameter's)."""
+    return hasattr(grad, "placements") and not any(p.is_shard() for p in grad.placements)

@@ -4,25 +4,32 @@
 Forward: a unit is gathered in its forward pre-hook (the next unit in forward order already in
 flight when prefetch is on) and freed in its forward hook; the root unit (parameters outside every
 other unit) is gathered when the step begins and kept for the whole step and its backward, so
-2L-1 AllGathers run per step for L units. The forward hook registers a hook on the unit's outputs
-that fires when backward reaches them: the unit enters PRE_BACKWARD, is gathered again, and the
-next unit in backward order is prefetched. When every parameter of the unit has accumulated its
-gradient, it enters POST_BACKWARD: the gradients are copied into a flat buffer, reduce-scattered
-and the unit freed. ReduceScatters are issued in one fixed order on every rank (reverse forward
-order, the root last; a unit finishing early waits for the ones before it), at most
-``max_reduce_buffers`` at once: before another starts, the oldest is waited and its full-size
+2L-1 AllGathers run per step for L units. A call without gradients (a teacher, an evaluation
+inside a step) frees its unit when it returns, whatever ``reshard_after_forward`` says. The
+forward hook of a call with gradients registers a hook on its outputs that fires when backward
+reaches them: the unit enters PRE_BACKWARD, is gathered again, and the next unit in backward order
+is prefetched. When its backward is over (see [Note: calls and their backward]) it enters
+POST_BACKWARD: its gradients are copied into a flat buffer in the shards' layout,
+reduce-scattered, and the unit freed. ReduceScatters are issued in one fixed order on every rank
+(reverse forward order, the root last; a unit finishing early waits for the ones before it), at
+most ``max_reduce_buffers`` at once: before another starts, the oldest is waited and its full-size
 buffer freed. At the end of the outermost backward (see [Note: end of backward]) every unit not yet
-reduced is reduced (missing gradients as zeros), all ReduceScatters are waited and added into the
-shard gradients (see [Note: gradient window]), every gather still in flight is waited, every unit
-but the kept root is freed and all return to IDLE: nothing is in flight across an optimizer step.
+reduced is reduced (missing gradients as zeros), all ReduceScatters are waited and handed to the
+sharded parameters' gradients, every gather still in flight is waited, every unit but the kept
+root is freed and all return to IDLE: nothing is in flight across an optimizer step.
 
-[Note: calls recomputed in backward]
-Reentrant activation checkpointing runs a unit's forward without gradients and again, with them,
-inside backward, once per call, each in a nested backward of its own. A unit whose forward ran
-without gradients counts those calls (``deferred_calls``); each recomputation passes its inputs
-through ``_PostBackward``, and the unit's backward is over only when every such call's backward
-reached its inputs: a unit called twice, or one whose frozen weights compute its input's
-gradient after its trainable gradients arrived, is not freed or reduced early.
+[Note: calls and their backward]
+Within one backward, autograd accumulates a parameter's gradient once, after every use of it in
+the graph contributed (its AccumulateGrad node waits for all of them): a unit's backward is over
+when each of its trainable parameters accumulated, however many times it was called. A unit with
+frozen parameters also needs them until backward went through it to its inputs, so each of its
+calls passes its inputs (positional and keyword) that require grad through ``_PostBackward``,
+whose backward tells the unit. Reentrant activation checkpointing runs a call without gradients
+and again, with them, inside backward, in a nested backward of its own: each such recomputation
+(a call in backward after one made without gradients) is followed through ``_PostBackward`` too,
+and a unit called twice inside checkpointed segments is reduced once per segment, its second
+reduction added to the first. A call without gradients that is never recomputed (a teacher, an
+evaluation) changes nothing: its unit is freed when it returns and its backward is not waited for.
 
 [Note: the root's gradients]
 The root unit's gradients are reduced at the end of the outermost backward, never before: its
@@ -38,24 +45,13 @@ ahead of its own backward (a checkpoint spanning several units, or a reentrant o
 in forward and gathered again when its backward begins.
 
 [Note: parameters outside forward]
-Outside its gathers a unit's parameters are at rest (see [Note: parameters at rest] in unit.py):
-what a parameter is can be read as for the whole parameter, and using it gathers its unit first.
-Inside a step with gradients enabled (a penalty over ``self.parameters()`` in ``training_step``)
-the touched units are gathered as in forward and stay gathered until the end of the next
-backward, so the penalty's gradients reach them; :meth:`ZeroThree.gathered` does the same for
-every unit at once.
-
-[Note: gathered at rest]
-Elsewhere (a callback keeping an EMA, a weight norm, an export hook) a touched unit is gathered
-into a buffer of its own and kept until a unit outside the same operation is touched, or until
-the next step, optimizer step, checkpoint or ``gathered()`` (``settle``): a loop over
-``named_parameters()`` costs about one AllGather per unit, and no more than the units of one
-operation are held at once. Freeing drops the buffer instead of resizing it, so a ``p.detach()``
-the user kept stays readable (with the values of that moment, as a copy would have). A unit that
-user code touched compares this rank's chunk with its shard when it is freed and takes back what
-was changed in place (``p.mul_``, ``p.data.copy_(ema)``): the shard and the fp32 master then hold
-the new values. Touching is a collective: every rank runs the code that reads parameters, as for
-FSDP2's reductions.
+Outside its gathers a unit's parameters are at rest ([Note: parameters at rest] in dtensor.py):
+reading one reads the shards, reductions are collectives, nothing is gathered into the module.
+:meth:`ZeroThree.gathered` puts every unit's whole parameters into the modules at once (a
+collective): what the user writes into them there is written back into the shards when the unit
+is freed, unless an optimizer step changed the shards since. Inside a step with gradients enabled
+the units stay gathered until the end of the next backward, so a penalty's gradients reach them.
+An optimizer step frees every gathered unit (the next use gathers the new values).
 
 Every rank runs the same units in the same order, so the collectives match (see [Note: same
 collectives everywhere] in grad_sync/reducer.py).
@@ -63,6 +59,8 @@ collectives everywhere] in grad_sync/reducer.py).
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -73,12 +71,14 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.comm.devicemesh import device_mesh
 from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.reducer import UnusedParametersError, sync_suspended
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.deferred import Initializer, post_order
-from lightning_zero.zero.unit import ShardedUnit, TrainingState
+from lightning_zero.zero.dtensor import ZeroDTensor, local_of, register_mesh
+from lightning_zero.zero.unit import ShardedUnit, Slots, TrainingState, gradient_divisors
 from lightning_zero.zero.wrap import WrapPolicy, select_units
 
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = (
@@ -111,7 +111,7 @@ class ZeroThree:
             flight at once.
         label: prefix of the collectives' names.
         precision: mixed precision of the trainable parameters (compute dtype, fp32 master shards).
-        reduce_dtype: dtype of the gradients on the wire; None: the parameters' own.
+        reduce_dtype: dtype of the gradients on the wire; None: the parameters' compute dtype.
         device: where shards and gathered parameters live (None: the parameters' device).
         broadcast: units take rank 0's values as they are sharded (a model built on every rank).
         initializer: the model was built on the meta device: gives each module its values as the
@@ -148,13 +148,21 @@ class ZeroThree:
         self.sync_enabled = True  # False inside no_sync() when accumulate_unsharded
         self.meter = GatherMeter()  # full parameters held gathered, now and at most
         self.buffer_meter = GatherMeter()  # full-size gradient buffers alive in backward, now and at most
+        device = device if device is not None else _device_of(root)
+        self.mesh = device_mesh(comm, device)  # where the parameters at rest live
+        register_mesh(self.mesh, comm, label)
         options = {
             "policy": precision,
             "reduce_dtype": reduce_dtype,
             "device": device,
             "broadcast": broadcast,
+            "mesh": self.mesh,
         }
-        self.units = self._build_units(root, select_units(root, policy), options, initializer)
+        unit_modules = select_units(root, policy)
+        self.originals: dict[
+            int, tuple[weakref.ref, Any, int]
+        ] = {}  # id(param before) -> (it, flat, position)
+        self.units = self._build_units(root, unit_modules, options, initializer)
         self.root_unit = self.units[0] if self.units and self.units[0].module is root else None
         self.forward_order: list[ShardedUnit] = []  # as observed in the first training forward
         self.reduce_order: list[ShardedUnit] | None = None  # fixed at the first backward
@@ -165,14 +173,12 @@ class ZeroThree:
         self._end = EndOfBackward(self._finalize)  # the wrap-up, once per outermost backward
         self._unit_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._handles = self._register_hooks(root)  # forward hooks on modules: gather on use
-        self._at_rest: list[
-            ShardedUnit
-        ] = []  # gathered because user code touched them (see [Note: gathered at rest])
-        for unit in self.units:
-            unit.on_touch = self.touch
-        self._grad_handles = [  # on the parameters: the backward schedule
+        self._grad_handles = [  # on the unsharded parameters: the backward schedule
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for u in self.units for p in u.params
         ]
+        self._guarded = _guard_moves(root, self.units)  # modules whose .to() / .cpu() check shards
+        wire = self.units[0].reduce_dtype if self.units and self.units[0].reduce_dtype else torch.float32
+        self.divide = gradient_divisors(wire, comm.mean_over)  # the mean: before and after the sum
 
     def _build_units(
         self, root: nn.Module, unit_modules: list, options: dict, initializer: Initializer | None
@@ -180,13 +186,19 @@ class ZeroThree:
         """One unit per wrap module that owns parameters; a deferred model gets its values module by
         module, each unit sharded as soon as its modules have them."""
         owner = _owning_units(root, unit_modules)
+        slots = _param_slots(root)
 
         def build(name: str, module: nn.Module) -> ShardedUnit | None:
             params = owner.get(name, [])
             if not params:
                 return None
             meters = {"meter": self.meter, "buffer_meter": self.buffer_meter}
-            return ShardedUnit(name, module, params, self.comm, self.label, **meters, **options)
+            unit = ShardedUnit(name, module, params, slots, self.comm, self.label, **meters, **options)
+            for flat in unit.flats:
+                for i, ref in enumerate(flat.originals):
+                    if ref() is not None:
+                        self.originals[id(ref())] = (ref, flat.flat, i)
+            return unit
 
         if initializer is None:
             built = {name: build(name, module) for name, module in unit_modules}
@@ -199,6 +211,19 @@ class ZeroThree:
                         built[name] = build(name, module)
         return [built[name] for name, _ in unit_modules if built[name] is not None]
 
+    def sharded_of(self, p: Tensor) -> tuple[Any, int] | None:
+        """(flat space, position) of a parameter as the model had it before it was sharded, or of
+        a parameter at rest; None if it is no parameter of this model's units."""
+        entry = self.originals.get(id(p))
+        if entry is not None and entry[0]() is p:
+            return entry[1], entry[2]
+        for unit in self.units:
+            for f in unit.flats:
+                for i, q in enumerate(f.sharded):
+                    if q is p:
+                        return f.flat, i
+        return None
+
     def _register_hooks(self, root: nn.Module) -> list:
         handles = []
         for unit in self.units:
@@ -210,8 +235,9 @@ class ZeroThree:
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
                 handles.append(
-                    module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._gather_root()))
+                    module.register_forward_pre_hook(self._root_pre_hook(module), with_kwargs=True)
                 )
+                handles.append(module.register_forward_hook(self._root_post_hook(module)))
         return handles
 
     def remove_hooks(self, *, keep_forward: bool = False) -> None:
@@ -223,11 +249,12 @@ class ZeroThree:
         self._grad_handles = []
         if keep_forward:
             return
-        for unit in self.units:
-            unit.on_touch = None
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self._guarded:
+            module.__dict__.pop("_apply", None)
+        self._guarded = []
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -238,9 +265,8 @@ class ZeroThree:
     def prepare_forward(self) -> None:
         """The root's forward starts (a step: training, evaluation, or any call through the wrapper)."""
         self._recover()
-        self.settle()
         for unit in self.units:
-            unit.deferred_calls = 0
+            unit.nograd_calls = 0
         self._in_step = True
         if self.root_unit is not None and self._recording and torch.is_grad_enabled():
             self.forward_order = [self.root_unit]
@@ -281,35 +307,39 @@ class ZeroThree:
     def _pre_forward_hook(self, unit: ShardedUnit):
         @torch.compiler.disable  # collectives and storage changes run eagerly, also in a compiled module
         def hook(module: nn.Module, args: Any, kwargs: dict) -> Any:
+            if module is not unit.module:  # a copy of the module (copy.deepcopy): its own parameters
+                return None
             if _in_backward():  # recomputed by activation checkpointing: no forward-order prefetch
                 unit.gather()
-                if (
-                    unit.deferred_calls and torch.is_grad_enabled()
-                ):  # see [Note: calls recomputed in backward]
-                    unit.deferred_calls -= 1
-                    wrapped = _PostBackward.wrap(args, kwargs, lambda: self._inputs_done(unit))
-                    unit.inputs_pending += wrapped is not None
-                    return wrapped
+                if unit.nograd_calls and torch.is_grad_enabled():  # see [Note: calls and their backward]
+                    unit.nograd_calls -= 1
+                    return self._follow_call(unit, args, kwargs)
                 return None
             self._recover()
-            if not torch.is_grad_enabled():
-                unit.deferred_calls += 1
             unit.state = FORWARD
             unit.gather()
-            if self._recording and torch.is_grad_enabled() and unit not in self.forward_order:
+            if not torch.is_grad_enabled():
+                unit.nograd_calls += 1
+                return None
+            if self._recording and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._prefetch(unit, self.forward_order)
-            if unit.has_frozen and torch.is_grad_enabled():  # its gradient hooks cannot tell its end
-                wrapped = _PostBackward.wrap(args, kwargs, lambda: self._inputs_done(unit))
-                unit.inputs_pending += wrapped is not None
-                return wrapped
-            return None
+            return self._follow_call(unit, args, kwargs) if unit.has_frozen else None
 
         return hook
+
+    def _follow_call(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> Any:
+        """A call whose backward must reach its inputs before the unit's is over (see [Note: calls
+        and their backward]): its inputs through ``_PostBackward``."""
+        wrapped = _PostBackward.wrap(args, kwargs, lambda: self._inputs_done(unit))
+        unit.inputs_pending += wrapped is not None
+        return wrapped
 
     def _post_forward_hook(self, unit: ShardedUnit):
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module is not unit.module:
+                return
             if _in_backward() and unit.state is PRE_BACKWARD:
                 return  # recomputed in the middle of its own backward: it stays gathered
             if unit.state is FORWARD:
@@ -319,6 +349,24 @@ class ZeroThree:
                 self._register_pre_backward(unit, output)
             if not needs_backward or self.reshard_after_forward:
                 self._release(unit)
+
+        return hook
+
+    def _root_pre_hook(self, owner: nn.Module):
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
+            root = self.root_unit
+            if module is owner and not (root.gathered or root.gather_handle is not None):
+                root.gather()  # a module holding root parameters, called outside the root's forward
+
+        return hook
+
+    def _root_post_hook(self, owner: nn.Module):
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            root = self.root_unit
+            if module is owner and not self._in_step and not _in_backward() and not _grad_tensors(output):
+                self._release(root)  # called outside a step, nothing to differentiate: freed at once
 
         return hook
 
@@ -332,7 +380,7 @@ class ZeroThree:
                 nxt.gather(wait=False)
 
     def _release(self, unit: ShardedUnit) -> None:
-        """Free a unit after use, unless it is the root during its step (or pinned)."""
+        """Free a unit after use, unless it is the root during its step (or pinned, or held)."""
         if unit is self.root_unit and self._in_step:
             return
         unit.reshard()
@@ -347,11 +395,10 @@ class ZeroThree:
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
         self._end.note()
-        if unit.state is POST_BACKWARD:  # outputs of a second call whose gradients already went out
-            return
+        if unit.state is POST_BACKWARD:  # a recomputed call in a graph task of its own: a new round
+            unit.new_round()
         unit.state = PRE_BACKWARD
         unit.gather()
-        unit.attach_grads()
         self._prefetch(unit, self._backward_order())
 
     def _backward_order(self) -> list[ShardedUnit]:
@@ -362,31 +409,29 @@ class ZeroThree:
     def _on_grad_ready(self, param: Tensor) -> None:
         unit, position = self._unit_of[id(param)]
         self._end.note()
-        if unit.used[position]:  # accumulated again (reentrant checkpointing, a second graph task)
-            if unit.state is POST_BACKWARD:
-                raise RuntimeError(
-                    f"stage 3: parameter {unit.names[position]!r} got another gradient after the gradients of its "
-                    f"unit {unit.name!r} went out in this backward. A parameter used inside several reentrant "
-                    "activation-checkpointed segments belongs in the unit that contains all of them (the root, "
-                    "by leaving its module out of the wrap policy), or use use_reentrant=False."
-                )
+        if unit.state is POST_BACKWARD and unit is not self.root_unit:
+            unit.new_round()  # another recomputed call's gradients: see [Note: calls and their backward]
+        if not unit.note_grad(position):  # again in this round (the root: several graph tasks)
             return
-        unit.note_grad(position)
         if unit.done:
             self._unit_backward_done(unit)
 
     def _inputs_done(self, unit: ShardedUnit) -> None:
-        """A unit holding frozen parameters: backward went through it to its inputs (the frozen
-        weights are needed until then, also after every trainable gradient arrived)."""
+        """Backward went through one call of the unit to its inputs (see [Note: calls and their
+        backward])."""
         unit.inputs_pending -= 1
-        if unit.done:
+        if unit.done and unit.state is not POST_BACKWARD:
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: ShardedUnit) -> None:
         if unit is self.root_unit:  # reduced at the end: see [Note: the root's gradients]
             return
         unit.state = POST_BACKWARD
-        if self.sync_enabled:
+        if not self.sync_enabled:
+            unit.keep_grads()
+        elif unit.rounds:  # a later round: its place in the order is passed
+            self._reduce(unit)
+        else:
             self._reduce_ready_units()
         self._release(unit)
 
@@ -407,10 +452,12 @@ class ZeroThree:
             self._next_reduce += 1
 
     def _reduce(self, unit: ShardedUnit) -> None:
-        """Start the unit's ReduceScatter, first finishing the oldest ones beyond the buffer limit."""
-        while len(self._reducing) >= self.max_reduce_buffers:
+        """Start the unit's ReduceScatter, first finishing the oldest ones beyond the buffer limit
+        (and the unit's own previous one, in a later round)."""
+        while len(self._reducing) >= self.max_reduce_buffers or unit in self._reducing:
             self._reducing.popleft().finish_reduce()
-        unit.reduce_scatter()
+        unit.reduce_scatter(self.divide)
+        unit.rounds += 1
         self._reducing.append(unit)
 
     def _recover(self) -> None:
@@ -438,14 +485,21 @@ class ZeroThree:
             for unit in self._plan_reduce_order()[self._next_reduce :]:
                 unit.state = POST_BACKWARD
             self._reduce_ready_units()
+            for unit in self.units:  # a later round cut short (see [Note: calls and their backward])
+                if unit.rounds and unit.state is PRE_BACKWARD and any(unit.seen):
+                    self._reduce(unit)
             used = self._globally_used() if self.find_unused_parameters else None
             while self._reducing:
                 self._reducing.popleft().finish_reduce()
             self._next_reduce = 0
+        else:
+            for unit in self.units:
+                if unit.state is not POST_BACKWARD:
+                    unit.keep_grads()
         for unit in self.units:
             unit.finish_gather()
             if unit is not self.root_unit or not self._in_step:
-                unit.reshard(force=True)
+                unit.reshard(force=not unit.held)
             unit.end_backward()
         if self.sync_enabled:
             self._check_unused(missing, used)
@@ -465,8 +519,8 @@ class ZeroThree:
     def _check_unused(self, missing: list, used: list[list[bool]] | None) -> None:
         if used is not None:
             for unit, mask in zip(self.units, used):
-                if unit.flat is not None:
-                    unit.flat.drop_unused(mask)
+                if unit.trainable is not None:
+                    unit.drop_unused(mask)
             return
         if missing:
             names = [u.names[i] for u, i in missing]
@@ -485,80 +539,54 @@ class ZeroThree:
 
     # -- whole-model views ---------------------------------------------------------------------
 
-    # -- parameters used at rest ---------------------------------------------------------------
-
-    def touch(self, units: list[ShardedUnit]) -> None:
-        """User code uses parameters of ``units`` at rest (see [Note: parameters outside forward]
-        and [Note: gathered at rest])."""
-        if self._in_step and torch.is_grad_enabled():
-            for unit in units:
-                unit.gather()
-                unit.pinned = True
-                unit.mark_touched()
-            return
-        self.settle(keep=units)
-        for unit in units:
-            if unit.gathered or unit.gather_handle is not None:  # in use by the step: its life is the step's
-                unit.finish_gather()
-                unit.mark_touched()
-                continue
-            unit.gather_at_rest()
-            self._at_rest.append(unit)
-
-    def settle(self, keep: list[ShardedUnit] = ()) -> None:
-        """Free the units gathered at rest (but ``keep``), taking back in-place changes."""
-        for unit in [u for u in self._at_rest if u not in keep]:
-            self._at_rest.remove(unit)
-            unit.reshard(force=True)
-
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
-        """Every unit's full parameters inside (see [Note: parameters outside forward]); every rank
-        must enter it together. Inside a step with gradients enabled the units stay gathered until
-        the end of the next backward; otherwise they are freed on leaving."""
-        self.settle()
+        """Every unit's whole parameters in the modules inside (see [Note: parameters outside
+        forward]); every rank must enter it together. Inside a step with gradients enabled the units
+        stay gathered until the end of the next backward; otherwise they are freed on leaving, what
+        was written into them written back into the shards."""
         for unit in self.units:
             unit.gather(wait=False)
         for unit in self.units:
             unit.finish_gather()
-            unit.mark_touched()  # what is loaded or changed inside is taken back
+            unit.mark_for_write_back()
+            unit.held = True
         try:
             yield
         finally:
             keep = self._in_step and torch.is_grad_enabled()
             for unit in self.units:
+                if not unit.held:  # freed inside (an optimizer step)
+                    continue
+                unit.held = False
                 if keep:
                     unit.pinned = True
                 else:
                     self._release(unit)
 
     def param_spaces(self) -> list:
-        """Every flat space holding parameter values: trainable and frozen (in-place changes made
-        at rest taken back first, so that what reads the shards reads them)."""
-        self.settle()
+        """Every flat space holding parameter values: trainable and frozen."""
         return [f.flat for u in self.units for f in u.flats]
 
     def after_step(self) -> None:
         """The optimizer stepped the shards: what is gathered now holds the old values (the root kept
-        for a manual step, units touched at rest), so it is freed and gathered again on next use."""
-        self.settle()
+        for a manual step, units inside ``gathered()``), so it is freed and gathered again on use."""
         for unit in self.units:
             if unit.gathered or unit.gather_handle is not None:
                 unit.reshard(force=True)
-            unit.after_step()
 
     def release(self, *, wait: bool = True) -> None:
-        if wait:
-            self.settle()
-        self._at_rest = []
         for unit in self.units:
             unit.release(wait=wait)
 
     def grad_tensors(self) -> list[Tensor]:
-        return [u.flat.grad for u in self.units if u.flat is not None and u.flat.grad is not None]
+        """The gradients of the parameters at rest (their local rows)."""
+        return [
+            local_of(p.grad) for u in self.units for f in u.flats for p in f.sharded if p.grad is not None
+        ]
 
     def shard_tensors(self) -> list[Tensor]:
-        """The persistent parameter shards (what gathers read; fp32 masters are optimizer state)."""
+        """The persistent parameter shards (the values at rest; fp32 masters under a policy)."""
         return [t for u in self.units for t in u.shard_tensors()]
 
     def in_flight(self) -> list[Handle]:
@@ -568,7 +596,7 @@ class ZeroThree:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the gradients of those inputs are
-    computed, i.e. once backward went through the unit: the end of a frozen unit's backward."""
+    computed, i.e. once backward went through the call (see [Note: calls and their backward])."""
 
     @staticmethod
     def forward(ctx: Any, done: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -599,6 +627,21 @@ def _grad_tensors(output: Any) -> list[Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    return real[0].device if real else torch.device("cpu")
+
+
+def _param_slots(root: nn.Module) -> dict[int, Slots]:
+    """id(parameter) -> every (module, attribute) holding it (a tied parameter has several)."""
+    slots: dict[int, Slots] = {}
+    for module in root.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, attr))
+    return slots
+
+
 def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> dict[str, list]:
     """unit name -> (name, parameter) of the parameters it owns, trainable and frozen: the innermost
     unit whose subtree holds every use of the parameter (a parameter tied across units, such as
@@ -623,7 +666,7 @@ def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) ->
 
 def _root_param_owners(root: nn.Module, units: list[ShardedUnit]) -> list[nn.Module]:
     """Modules outside every non-root unit that hold root parameters directly."""
-    root_params = {id(p) for f in units[0].flats for p in f.flat.params}
+    root_params = {id(p) for f in units[0].flats for p in f.sharded}
     nested = {id(u.module) for u in units[1:]}
     owners = []
     stack = [root]
@@ -635,3 +678,43 @@ def _root_param_owners(root: nn.Module, units: list[ShardedUnit]) -> list[nn.Mod
             owners.append(module)
         stack.extend(module.children())
     return owners
+
+
+# -- moving a sharded module -------------------------------------------------------------------
+
+
+def _guard_moves(root: nn.Module, units: list[ShardedUnit]) -> list[nn.Module]:
+    """Every module holding parameters of a unit gets an ``_apply`` of its own (see :func:`_apply`)."""
+    holders = {id(m): m for u in units for slots in u.slots for where in slots for m, _ in where}
+    for module in holders.values():
+        module._apply = types.MethodType(_apply, module)
+    return list(holders.values())
+
+
+def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    """``Module._apply`` (``.to()``, ``.cpu()``, ``.float()``) for a module holding stage-3
+    parameters at rest: they stay as they are where ``fn`` would not change them (the same device
+    and dtype), and a change is refused (their storage is the unit's shard); the rest of the
+    module is converted as usual."""
+    sharded = {k: p for k, p in self._parameters.items() if isinstance(p, ZeroDTensor)}
+    for key, p in sharded.items():
+        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        if (probe.dtype, probe.device) != (p.dtype, p.device):
+            raise ValueError(
+                f"stage 3: {type(self).__name__}.{key} is sharded (its values live in its unit's shard on "
+                f"{p.device}, {p.dtype}), so it cannot be moved or cast to {probe.device}, {probe.dtype}. Move "
+                "or cast the model before fitting, or after it with the whole weights (gather_at_teardown=True)."
+            )
+    if not sharded:
+        return type(self)._apply(self, fn, recurse)
+    saved = dict(self._parameters)
+    for key in sharded:
+        del self._parameters[key]
+    try:
+        type(self)._apply(self, fn, recurse)
+    finally:
+        converted = dict(self._parameters)
+        self._parameters.clear()
+        for key in saved:
+            self._parameters[key] = sharded[key] if key in sharded else converted[key]
+    return self

@@ -1,23 +1,28 @@
-"""ShardedUnit: one stage-3 wrap unit, its flat parameter gathered or sharded, its gradient reduction.
+"""ShardedUnit: one stage-3 wrap unit, its parameters at rest and gathered, its gradient reduction.
 
 [Note: gathered and sharded]
-Between uses a unit holds only ``param_shard`` (1D, padded_numel / N): this rank's slice of the
-unit's flat parameter, in the parameters' dtype; the optimizer steps ``flat.shard``, the same
-tensor or an fp32 master (see [Note: mixed precision]). To run, the unit resizes the storage of
-``full`` (1D, padded_numel) back, all-gathers the shards into it and points each original
-parameter's ``.data`` at its view of ``full``; so ``self.fc.weight`` works unchanged in forward.
-To free, the parameters point at an empty placeholder and the storage of ``full`` is resized to
-zero, which releases it even while autograd still holds views of it; the unit gathers into the
-same storage again before its backward, so those views see the values again. Nothing may hold a
-view of ``full`` while it is freed (reading one would read released memory): the parameters
-always move to the placeholder first, and a gather still in flight is waited before any free.
+Each parameter of a unit has two objects. At rest the module holds the *sharded* parameter: a
+DTensor whose local tensor views this rank's rows in the unit's flat shard ([Note: parameters at
+rest] in dtensor.py; [Note: row layout] in flat_param.py). That is what the user's optimizer
+steps, what ``model.parameters()`` and ``model.state_dict()`` give between steps, and the only
+copy of the values: no other copy is kept and nothing is ever copied back into it. To run, the
+unit all-gathers the shards (cast to the compute dtype under a mixed-precision policy) into a
+buffer of its own, copies them into ``full`` (the unsharded parameters' storage, parameter-major)
+and puts the *unsharded* parameters (plain ``nn.Parameter`` views of ``full``, the same objects
+every time) into the modules in place of the sharded ones, so ``self.fc.weight`` is a plain
+tensor in forward and backward. To free, the modules get the sharded parameters back and the
+storage of ``full`` is resized to zero; the views stay valid and see values again when the unit
+is gathered into the same storage before its backward. A gather still in flight is waited before
+any free. The unsharded parameters' gradients are the unit's own: when its backward is over they
+are copied into the ReduceScatter's input (cast to the reduce dtype) and dropped, and this rank's
+reduced rows become (or are added into) the sharded parameters' ``.grad`` (DTensors).
 
 [Note: unit states]
 Each unit is in one training state (as FSDP keeps one per parameter group), and the schedule in
 ``sharded_module.py`` reads it instead of guessing from the order of hooks:
 
     IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
-         --all its gradients accumulated--> POST_BACKWARD --end of backward--> IDLE
+         --its backward over--> POST_BACKWARD --end of backward--> IDLE
 
 Whether the parameters are gathered is separate: ``gathered`` (a complete ``full``), or a gather in
 flight (``gather_handle``), or sharded. A unit in PRE_BACKWARD stays gathered until its gradients
@@ -26,119 +31,20 @@ went out, even when activation checkpointing runs its forward again in the middl
 
 from __future__ import annotations
 
-import functools
 import weakref
 from enum import Enum
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
+from lightning_zero.zero.dtensor import like_param, local_of, sharded_param
 from lightning_zero.zero.flat_param import FlatParameter
 
-# [Note: parameters at rest]
-# While its unit is sharded a parameter is "at rest": its class is a subclass of its own, and its
-# ``.data`` a tensor of the parameter's full shape, dtype and device whose storage holds no bytes.
-# What describes the tensor (shape, numel, dtype, device, requires_grad, .grad, hooks) answers as
-# for the whole parameter, so ModelSummary and code counting parameters see the model as it is. Any
-# other use (``p.detach()``, ``p.norm()``, ``p.clone()``, ``p.data``, ``p.mul_(...)``, a penalty over
-# ``self.parameters()``) first gathers the parameter's unit (an AllGather on every rank: code that
-# reads parameters at rest runs on every rank, as it does for FSDP2's reductions and for
-# ``gathered()``) and then runs on the whole parameter, so it gives the values plain training
-# gives. The unit stays gathered for a while so that a loop over the parameters costs one gather
-# per unit (see [Note: gathered at rest] in sharded_module.py). Gathering gives the parameter its
-# own class back, so forward and backward run on plain parameters at no cost.
-_PROPERTIES = (  # what a tensor is, not what it holds
-    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "layout", "ndim", "grad_fn",
-    "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes", "_version",
-)  # fmt: skip
-_METHODS = (
-    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "untyped_storage",
-    "data_ptr", "is_contiguous", "requires_grad_", "__repr__", "__hash__", "__format__",
-    "register_hook", "register_post_accumulate_grad_hook", "get_device",
-)  # fmt: skip
-_DESCRIBE = {
-    getattr(getattr(torch.Tensor, name), accessor)
-    for name in _PROPERTIES
-    if hasattr(torch.Tensor, name)
-    for accessor in ("__get__", "__set__")
-    if hasattr(getattr(torch.Tensor, name), accessor)
-} | {getattr(torch.Tensor, name) for name in _METHODS}
-_DESCRIBE.add(torch.Tensor.data.__set__)  # the unit points the parameter at its gathered view
-_DESCRIBE.add(torch._has_compatible_shallow_copy_type)  # asked by Module._apply before it sets .data
-_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}  # Module.to / .cpu() on a sharded module
-
-
-class _Sharded:
-    """Mixed into a parameter's class while it is at rest (see [Note: parameters at rest])."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _DESCRIBE or torch.compiler.is_compiling():
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in _MOVES and isinstance(args[0], _Sharded):
-            with torch._C.DisableTorchFunctionSubclass():
-                moved = func(torch.empty(0, dtype=args[0].dtype, device=args[0].device), *args[1:], **kwargs)
-            if moved.dtype == args[0].dtype:  # where it lives, not what it holds (Module.to, .cpu())
-                if moved.device == args[0].device:
-                    return args[0]
-                return rest_tensor(args[0].shape, moved.dtype, moved.device).as_subclass(
-                    _sharded_class(Tensor)
-                )
-        used = [t for t in tree_leaves((args, kwargs)) if isinstance(t, _Sharded)]
-        owners: dict[int, tuple[Any, list]] = {}
-        for unit in {id(u): u for u in map(_unit_of, used) if u is not None}.values():
-            if unit.on_touch is not None:
-                owners.setdefault(id(unit.on_touch.__self__), (unit.on_touch, []))[1].append(unit)
-        for touch, units in owners.values():
-            touch(units)
-        still = [t for t in used if isinstance(t, _Sharded)]
-        if still:
-            raise RuntimeError(
-                f"stage 3: {getattr(still[0], '_zero_name', 'a parameter moved while sharded')!r} holds no values "
-                f"here, so {getattr(func, '__name__', func)} cannot compute with it: its unit cannot be gathered "
-                "now (training ended after a failure), or it is the empty stand-in a sharded parameter gives when "
-                "moved to another device (use p.detach().to(device), which gathers first)."
-            )
-        return func(*args, **kwargs)
-
-
-def _unit_of(p: Tensor) -> Any:
-    unit = getattr(p, "_zero_unit", None)
-    return unit() if unit is not None else None
-
-
-def rest_tensor(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` whose storage holds no bytes: a parameter's ``.data`` at rest."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
-
-
-@functools.cache
-def _sharded_class(cls: type) -> type:
-    return type(f"Sharded{cls.__name__}", (_Sharded, cls), {"_zero_base": cls})
-
-
-def _mark_sharded(p: nn.Parameter) -> None:
-    if not isinstance(p, _Sharded):
-        p.__class__ = _sharded_class(type(p))
-
-
-def _mark_whole(p: nn.Parameter) -> None:
-    if isinstance(p, _Sharded):
-        p.__class__ = type(p)._zero_base
-
-
-def is_at_rest(p: Tensor) -> bool:
-    """The parameter is sharded now: its values live in its unit's shards."""
-    return isinstance(p, _Sharded)
+Slots = list[tuple[nn.Module, str]]  # where a parameter is registered: (module, attribute name)
 
 
 class TrainingState(Enum):
@@ -146,6 +52,11 @@ class TrainingState(Enum):
     FORWARD = "forward"  # its forward is running
     PRE_BACKWARD = "pre_backward"  # its backward began: gathered, gradients arriving
     POST_BACKWARD = "post_backward"  # its gradients went out; done for this backward
+
+
+def is_at_rest(p: Tensor) -> bool:
+    """The parameter is a stage-3 parameter at rest (its values live in its unit's shard)."""
+    return hasattr(p, "_zero_name") and hasattr(p, "placements")
 
 
 class UnitFlat:
@@ -156,9 +67,10 @@ class UnitFlat:
         name: the unit's name, with a suffix for a frozen space.
         params: (name, parameter), layout order; their current values are sharded.
         comm, label: collectives and their name prefix.
+        mesh: the DTensor mesh of the parameters at rest ([Note: the DTensor mesh]).
         trainable: the parameters get gradients (reduce-scattered) and optimizer state.
-        policy: mixed precision: a trainable space computes in ``param_dtype`` and the optimizer
-            steps an fp32 master shard; None (or a frozen space): the parameters' own dtype.
+        policy: mixed precision: a trainable space computes in ``param_dtype`` and its shard (what
+            the optimizer steps) holds fp32 masters; None (or a frozen space): its own dtype.
         device: where the shard and the gathered parameters live; the values may sit elsewhere
             (the host: only this rank's shard is moved).
         broadcast: take rank 0's values (a model built on every rank); False when every rank
@@ -172,128 +84,185 @@ class UnitFlat:
         comm: Communicator,
         label: str,
         *,
+        mesh: Any,
         trainable: bool,
         policy: PrecisionPolicy | None,
         device: torch.device,
         broadcast: bool,
     ) -> None:
         self.name = name
+        self.comm = comm
+        self.label = label
         self.trainable = trainable
-        self.flat = FlatParameter(
-            name, [p for _, p in params], torch.empty(0), world_size=comm.world_size, rank=comm.rank
+        self.names = [n for n, _ in params]
+        self.originals = [weakref.ref(p) for _, p in params]  # the parameters the model had before
+        flat = FlatParameter(
+            name,
+            [p for _, p in params],
+            torch.empty(0),
+            world_size=comm.world_size,
+            rank=comm.rank,
+            rows=True,
         )
-        values = self.flat.full_from_params()  # 1D, padded_numel, where the parameters are
+        values = flat.full_from_params()  # 1D, N x S, where the parameters are
         if broadcast:  # on the device: a collective backend (NCCL) may take no host tensors
             values = values.to(device)
             comm.broadcast(values, src=0, name=f"{label}/broadcast/unit={name}")
-        own = self.flat.own_chunk(values)
         cast = policy if trainable else None
-        dtype = cast.param_dtype if cast is not None else own.dtype
-        self.param_shard = own.to(device=device, dtype=dtype, copy=True)  # 1D, S: what gathers read
-        # the optimizer's values: the same tensor, or an fp32 master (see [Note: mixed precision])
-        masters = own.to(device=device, dtype=cast.master_dtype, copy=True) if cast is not None else None
-        self.flat.shard = masters if masters is not None else self.param_shard
-        del values, own
-        self.full = torch.empty(self.flat.padded_numel, dtype=self.param_shard.dtype, device=device)
-        self.views = [
-            self.full[o : o + s.numel()].view(s) for o, s in zip(self.flat.offsets, self.flat.shapes)
+        self.compute_dtype = cast.param_dtype if cast is not None else values.dtype  # gathered dtype
+        stored = cast.master_dtype if cast is not None else values.dtype
+        flat.shard = flat.own_chunk(values).to(device=device, dtype=stored, copy=True)  # 1D, S: the values
+        del values
+        self.flat = flat
+        self.sharded = [  # at rest: DTensors over this rank's rows of the shard
+            sharded_param(
+                flat.local_view(i, flat.shard), mesh, shape, replicated=flat.replicated[i],
+                requires_grad=trainable, name=n,
+            )
+            for i, (n, shape) in enumerate(zip(self.names, flat.shapes))
+        ]  # fmt: skip
+        flat.params = self.sharded
+        self.full = torch.empty(flat.padded_numel, dtype=self.compute_dtype, device=device)
+        self.unsharded = [  # gathered: plain parameters viewing `full`, the same objects every time
+            nn.Parameter(self.full[o : o + s.numel()].view(s), requires_grad=trainable)
+            for o, s in zip(flat.offsets, flat.shapes)
         ]
-        self.full.untyped_storage().resize_(0)  # 1D, padded_numel: storage allocated only while gathered
-        self.rests = [  # each parameter's .data at rest: its shape, no bytes (see [Note: parameters at rest])
-            rest_tensor(shape, self.full.dtype, device) for shape in self.flat.shapes
-        ]
+        for u, p in zip(self.unsharded, self.sharded):
+            u._zero_sharded = p  # checkpoints name a parameter by its sharded object
+            p._zero_unsharded = u  # a gradient hook on it also goes on its gathered form
+        self.full.untyped_storage().resize_(0)  # 1D, N x S: storage allocated only while gathered
+        # one parameter, or one rank: the AllGather's layout is the parameters' (no copy out)
+        self.direct = comm.world_size == 1 or (len(flat.shapes) == 1 and not flat.replicated[0])
+        self.gather_out: Tensor | None = None  # 1D, N x S: the AllGather's output in flight
+        self.gather_in: Tensor | None = None  # its input: the shard, or its cast (kept until done)
         self.gather_handle: Handle | None = None  # in-flight AllGather
-        self.gathered = False  # params point into a complete `full` (or `rest_buffer`)
-        self.rest_buffer: Tensor | None = None  # 1D, padded_numel: values gathered at rest, else None
-        self.touched = False  # user code used the parameters while gathered: take back in-place changes
+        self.gathered = False  # the unsharded parameters hold the values
+        self.version: int | None = None  # the shard's version when gathered for writing back
+        self.accumulated: list[Tensor | None] | None = None  # no_sync: gradients kept in the reduce dtype
+        self.count: Any = _no_count  # (bytes) -> None: the unit's meter of gathered bytes
 
     @property
     def nbytes(self) -> int:
         """Bytes of the gathered parameters."""
         return self.full.numel() * self.full.element_size()
 
-    def start_gather(self, label: str, comm: Communicator) -> int:
-        """Allocate ``full`` and start the AllGather; the bytes allocated (0 if under way already)."""
+    def start_gather(self, label: str, comm: Communicator) -> None:
+        """Start the AllGather (nothing if gathered or under way already)."""
         if self.gathered or self.gather_handle is not None:
-            return 0
-        self.full.untyped_storage().resize_(self.nbytes)
-        self.gather_handle = comm.all_gather(
-            self.full, self.param_shard, name=f"{label}/all_gather/unit={self.name}"
-        )
-        return self.nbytes
+            return
+        shard = self.flat.shard.detach()
+        self.gather_in = shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
+        if self.direct:
+            self.full.untyped_storage().resize_(self.nbytes)
+            self.gather_out = self.full
+        else:
+            self.gather_out = torch.empty_like(self.full, memory_format=torch.contiguous_format)
+        name = f"{label}/all_gather/unit={self.name}"
+        self.count(self.nbytes)
+        with torch.autograd._unsafe_preserve_version_counter(self.full):  # see finish_gather
+            self.gather_handle = comm.all_gather(self.gather_out, self.gather_in, name=name)
 
     def finish_gather(self) -> None:
-        if self.gather_handle is not None:
-            self.gather_handle.wait()
-            self.gather_handle = None
-            for p, view in zip(self.flat.params, self.views):
-                _mark_whole(p)
-                p.data = view
-            self.gathered = True
-
-    def gather_at_rest(self, label: str, comm: Communicator) -> int:
-        """Gather into a buffer of its own, not ``full`` (see [Note: gathered at rest] in
-        sharded_module.py): what the parameters' users keep of it stays readable after the unit is
-        freed again. The bytes allocated (0 if gathered already)."""
-        if self.gathered or self.gather_handle is not None:
-            self.finish_gather()
-            return 0
-        buffer = torch.empty_like(self.full, memory_format=torch.contiguous_format)
-        buffer.untyped_storage().resize_(self.nbytes)
-        comm.all_gather(buffer, self.param_shard, name=f"{label}/all_gather/at_rest/unit={self.name}").wait()
-        self.rest_buffer = buffer
-        for p, offset, shape in zip(self.flat.params, self.flat.offsets, self.flat.shapes):
-            _mark_whole(p)
-            p.data = buffer[offset : offset + shape.numel()].view(shape)
-        self.gathered = True
-        return self.nbytes
-
-    def free(self) -> int:
-        """Point the parameters at their rest tensors, release the gathered values (taking back
-        what the user changed in place, when the unit was touched); the bytes released."""
-        self.finish_gather()
-        values = self.rest_buffer if self.rest_buffer is not None else self.full
-        if self.touched and self.gathered:
-            self._take_back(values)
-        self.touched = False
-        for p, rest in zip(self.flat.params, self.rests):
-            p.data = rest
-            _mark_sharded(p)
-        if self.rest_buffer is not None:  # dropped, not resized: views the user kept stay readable
-            self.rest_buffer, self.gathered = None, False
-            return self.nbytes
-        return self._release_storage()
-
-    def _take_back(self, values: Tensor) -> None:
-        """The parameters were changed in place while gathered (``p.mul_``, ``p.data.copy_``): this
-        rank's chunk of them becomes the shard (and the fp32 master) the next gather reads."""
-        own = self.flat.own_chunk(values)
-        if torch.equal(own, self.param_shard):
+        """Wait for the AllGather and lay its output out as the parameters."""
+        if self.gather_handle is None:
             return
-        with torch.no_grad():
-            self.param_shard.copy_(own)
-            if self.flat.shard is not None and self.flat.shard is not self.param_shard:
-                self.flat.shard.copy_(own)
-
-    def release(self, *, wait: bool) -> int:
-        """Teardown: the parameters hold values of their own; after a failure, when nothing is
-        waited, empty tensors (computing with one fails on its shape, never on freed memory)."""
-        if self.gather_handle is not None and wait:
-            self.gather_handle.wait()
+        self.gather_handle.wait()
         self.gather_handle = None
-        self.rest_buffer = None
-        for p in self.flat.params:
-            if is_at_rest(p) and p.untyped_storage().nbytes() == 0:  # no values came
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            _mark_whole(p)
-        return self._release_storage()
+        if not self.direct:  # `full` allocated, filled, then the AllGather's buffer freed
+            self.full.untyped_storage().resize_(self.nbytes)
+            self.count(self.nbytes)
+            # the values autograd saved come back: not a change it must detect (as FSDP2 does)
+            with torch.autograd._unsafe_preserve_version_counter(self.full):
+                self.flat.copy_out(self.gather_out, self.full)
+            self.count(-self.nbytes)
+        self.gather_out = self.gather_in = None
+        self.gathered = True
 
-    def _release_storage(self) -> int:
+    def mark_for_write_back(self) -> None:
+        """``gathered()``: values the user writes into the gathered parameters go to the shard when
+        the unit is freed, unless the shard changed meanwhile (an optimizer step)."""
+        self.version = self.flat.shard._version
+
+    def free(self) -> None:
+        """Release the gathered values (writing back what ``gathered()``'s user changed)."""
+        if self.gather_handle is not None:
+            self.finish_gather()
+        if self.version is not None and self.gathered:
+            self._write_back()
+        self.version = None
+        self._release_storage()
+
+    def _write_back(self) -> None:
+        """This rank's rows of the gathered parameters into the shard, where they differ from it
+        and the shard is as it was when gathered (see :meth:`mark_for_write_back`)."""
+        if self.flat.shard._version != self.version:
+            return
+        flat = self.flat
+        with torch.no_grad():
+            for i, (start, stop, offset) in enumerate(flat.slices):
+                held = self.full[flat.offsets[i] + offset : flat.offsets[i] + offset + stop - start]
+                mine = flat.shard[start:stop]
+                if not torch.equal(held, mine.to(held.dtype)):
+                    mine.copy_(held)
+
+    def release(self, *, wait: bool) -> None:
+        """Teardown: no gather left in flight (waited, unless after a failure)."""
+        if self.gather_handle is not None:
+            if wait:
+                self.gather_handle.wait()
+            if self.gather_out is not self.full:
+                self.count(-self.nbytes)
+        self.gather_handle = self.gather_out = self.gather_in = None
+        self._release_storage()
+
+    def _release_storage(self) -> None:
         storage = self.full.untyped_storage()
-        released = storage.nbytes()
+        self.count(-storage.nbytes())
         storage.resize_(0)
         self.gathered = False
-        return released
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def keep_grads(self, reduce_dtype: torch.dtype) -> None:
+        """``no_sync`` with unsharded accumulation: this backward's gradients join those kept in the
+        reduce dtype, where it differs from the compute dtype (FSDP2's accumulated gradients);
+        otherwise autograd accumulates them in place on the unsharded parameters."""
+        if reduce_dtype == self.compute_dtype:
+            return
+        kept = self.accumulated if self.accumulated is not None else [None] * len(self.unsharded)
+        for i, u in enumerate(self.unsharded):
+            if u.grad is not None:
+                kept[i] = u.grad.to(reduce_dtype) if kept[i] is None else kept[i].add_(u.grad)
+                u.grad = None
+        self.accumulated = kept
+
+    def gradients(self) -> list[Tensor | None]:
+        """The unit's whole gradients of this window (kept and fresh), the unsharded ``.grad`` dropped."""
+        grads = [u.grad for u in self.unsharded]
+        if self.accumulated is not None:
+            grads = [
+                k if g is None else g if k is None else k.add_(g) for g, k in zip(grads, self.accumulated)
+            ]
+            self.accumulated = None
+        for u in self.unsharded:
+            u.grad = None
+        return grads
+
+    def add_reduced(self, reduced: Tensor, used: list[bool] | None = None) -> list[bool]:
+        """This rank's reduced rows (1D, S) as the sharded parameters' gradients: a view of
+        ``reduced`` where ``.grad`` is None, else added into it (the window: [Note: gradient
+        window] in flat_param.py). Returns, per parameter, whether it held a gradient before."""
+        held = [p.grad is not None for p in self.sharded]
+        if reduced.dtype != self.flat.shard.dtype:
+            reduced = reduced.to(self.flat.shard.dtype)
+        with torch.no_grad():
+            for i, p in enumerate(self.sharded):
+                part = self.flat.local_view(i, reduced)
+                if held[i]:
+                    local_of(p.grad).add_(part)
+                else:
+                    p.grad = like_param(p, part)
+        return held
 
 
 class ShardedUnit:
@@ -304,10 +273,12 @@ class ShardedUnit:
         name: the module path ("" for the root).
         module: the wrapped module.
         params: (name, parameter) of every parameter the unit owns, trainable and frozen.
+        slots: id(parameter) -> every (module, attribute) it is registered under.
         comm: collectives.
         label: prefix of the collectives' names.
+        mesh: the DTensor mesh of the parameters at rest.
         policy: mixed precision for the trainable parameters (see :class:`UnitFlat`), or None.
-        reduce_dtype: gradients on the wire; None: the parameters' own dtype.
+        reduce_dtype: gradients on the wire; None: the parameters' compute dtype.
         meter: counts the bytes gathered, shared by the units of one model.
         buffer_meter: counts the bytes of full-size gradient buffers (reduce-scatter inputs) alive.
         device: where shards and gathered parameters live (the parameters' own device if None).
@@ -319,9 +290,11 @@ class ShardedUnit:
         name: str,
         module: nn.Module,
         params: list[tuple[str, nn.Parameter]],
+        slots: dict[int, Slots],
         comm: Communicator,
         label: str,
         *,
+        mesh: Any,
         policy: PrecisionPolicy | None = None,
         reduce_dtype: torch.dtype | None = None,
         meter: GatherMeter | None = None,
@@ -333,42 +306,38 @@ class ShardedUnit:
         self.module = module  # the wrapped module
         self.comm = comm
         self.label = label
-        self.on_touch: Any = None  # ZeroThree.touch: gathers units whose parameters are used at rest
-        for n, p in params:
-            p._zero_name = n  # named in errors
-            p._zero_unit = weakref.ref(self)  # who gathers it when it is used at rest
         device = device if device is not None else params[0][1].device
         trainable = [(n, p) for n, p in params if p.requires_grad]
         _check_uniform(self.name, trainable)
         self.flats: list[UnitFlat] = []  # the trainable space first, then frozen ones by dtype
-        options = {"policy": policy, "device": device, "broadcast": broadcast}
-        if trainable:
-            self.flats.append(UnitFlat(self.name, trainable, comm, label, trainable=True, **options))
+        options = {"policy": policy, "device": device, "broadcast": broadcast, "mesh": mesh}
+        groups = [(self.name, trainable, True)] if trainable else []
         for dtype, frozen in _by_dtype([(n, p) for n, p in params if not p.requires_grad]).items():
-            frozen_name = f"{self.name}/frozen" + ("" if dtype is None else f"-{str(dtype).split('.')[-1]}")
-            self.flats.append(UnitFlat(frozen_name, frozen, comm, label, trainable=False, **options))
+            suffix = "" if dtype is None else f"-{str(dtype).split('.')[-1]}"
+            groups.append((f"{self.name}/frozen{suffix}", frozen, False))
+        self.slots: list[list[Slots]] = []  # per flat, per parameter: where the module holds it
+        for flat_name, members, is_trainable in groups:
+            self.slots.append([slots[id(p)] for _, p in members])
+            self.flats.append(UnitFlat(flat_name, members, comm, label, trainable=is_trainable, **options))
         self.trainable = self.flats[0] if trainable else None  # reduce-scattered, stepped
         self.names = [n for n, _ in trainable]  # trainable parameter names (relative to the root)
-        self.reduce_dtype = reduce_dtype or (
-            self.trainable.full.dtype if self.trainable else None
-        )  # on the wire
+        compute = self.trainable.compute_dtype if self.trainable else None
+        self.reduce_dtype = reduce_dtype or compute  # on the wire
         self.state = TrainingState.IDLE  # see [Note: unit states]
         self.pinned = False  # kept gathered until the end of backward (see ZeroThree.gathered)
-        self.pending = len(self.params)  # trainable parameters whose gradient is not yet accumulated
-        self.used = [False] * len(self.params)  # got a gradient in this backward (this rank)
-        self.inputs_pending = 0  # calls whose inputs' gradients are still to come (units with frozen weights)
-        self.deferred_calls = (
-            0  # calls run without gradients, to be recomputed in backward (reentrant checkpointing)
-        )
-        self.grad_buffer: Tensor | None = None  # 1D, padded_numel: where its gradients accumulate in backward
-        self.grad_copies = 0  # gradients copied into a buffer (not accumulated there by autograd)
+        self.held = False  # inside gathered(): not freed by the forward's hooks
+        self.in_use = False  # the modules hold the unsharded parameters
+        self.end_backward()
         self.reduce_handle: Handle | None = None  # in-flight ReduceScatter
-        self.reduce_in: Tensor | None = None  # 1D, padded_numel: its input, kept alive until done
-        self.reduce_out: Tensor | None = None  # 1D, shard_numel: its output
-        self.meter: GatherMeter | None = None
+        self.reduce_in: Tensor | None = None  # 1D, N x S: its input, kept alive until done
+        self.reduce_out: Tensor | None = None  # 1D, S: its output
+        self.held_before: list[bool] = []  # per trainable parameter: had a gradient before the last add
+        self.grad_copies = 0  # gradients copied into a ReduceScatter's input
+        self.meter = meter  # shared gathered-bytes count
         self.buffer_meter = buffer_meter  # gradient buffers of the model's units alive, now and at most
-        self.reshard(force=True)
-        self.meter = meter  # shared gathered-bytes count (set once sharded)
+        for flat in self.flats:
+            flat.count = self._count
+        self._swap(sharded=True)
 
     @property
     def flat(self) -> FlatParameter | None:
@@ -377,8 +346,8 @@ class ShardedUnit:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The trainable parameters (gradient hooks, reduce-scatter)."""
-        return self.trainable.flat.params if self.trainable is not None else []
+        """The trainable parameters as gathered (their gradient hooks drive the backward)."""
+        return self.trainable.unsharded if self.trainable is not None else []
 
     @property
     def gathered(self) -> bool:
@@ -397,63 +366,86 @@ class ShardedUnit:
         return [f.full for f in self.flats]
 
     def shard_tensors(self) -> list[Tensor]:
-        return [f.param_shard for f in self.flats]
-
-    def after_step(self) -> None:
-        """Copy the stepped master shard into the shard the next gather reads."""
-        assert self.gather_handle is None, (
-            f"unit {self.name}: a gather is in flight across the optimizer step"
-        )
-        flat = self.trainable
-        if flat is not None and flat.param_shard is not flat.flat.shard:
-            with torch.no_grad():
-                flat.param_shard.copy_(flat.flat.shard)
+        return [f.flat.shard for f in self.flats]
 
     # -- gather and free -----------------------------------------------------------------------
 
-    def gather_at_rest(self) -> None:
-        for flat in self.flats:
-            self._count(flat.gather_at_rest(self.label, self.comm))
-            flat.touched = True
-
-    def mark_touched(self) -> None:
-        for flat in self.flats:
-            flat.touched = True
-
     def gather(self, *, wait: bool = True) -> None:
-        """Start (and by default finish) the AllGathers that make the parameters usable."""
+        """Start (and by default finish) the AllGathers; finished, the modules hold the unsharded
+        parameters."""
         for flat in self.flats:
-            self._count(flat.start_gather(self.label, self.comm))
+            flat.start_gather(self.label, self.comm)
         if wait:
             self.finish_gather()
 
     def finish_gather(self) -> None:
         for flat in self.flats:
             flat.finish_gather()
+        if self.gathered and not self.in_use:
+            self._swap(sharded=False)
+
+    def mark_for_write_back(self) -> None:
+        for flat in self.flats:
+            flat.mark_for_write_back()
 
     def reshard(self, *, force: bool = False) -> None:
-        """Free the full parameters (see [Note: gathered and sharded]); a pinned unit stays unless forced."""
-        if self.pinned and not force:
+        """The modules get the sharded parameters back and the gathered values are released (see
+        [Note: gathered and sharded]); a pinned or held unit stays unless forced."""
+        if (self.pinned or self.held) and not force:
             return
-        self.pinned = False
+        self.pinned = self.held = False
+        if self.in_use:
+            self._swap(sharded=True)
         for flat in self.flats:
-            self._count(-flat.free())
+            flat.free()
 
     def release(self, *, wait: bool = True) -> None:
-        """Teardown: see :meth:`UnitFlat.release`."""
+        """Teardown: the sharded parameters in the modules, nothing gathered or in flight."""
+        if self.in_use:
+            self._swap(sharded=True)
         for flat in self.flats:
-            self._count(-flat.release(wait=wait))
+            flat.release(wait=wait)
+
+    def _swap(self, *, sharded: bool) -> None:
+        for flat, slots in zip(self.flats, self.slots):
+            params = flat.sharded if sharded else flat.unsharded
+            for p, where in zip(params, slots):
+                for module, attr in where:
+                    module._parameters[attr] = p
+        self.in_use = not sharded
+
+    def put_whole(self, values: list[list[Tensor]]) -> None:
+        """Teardown with the whole values: per flat, per parameter, a plain parameter of its own
+        in every module slot (and in the flat space, for checkpoints saved after fitting)."""
+        for flat, slots, whole in zip(self.flats, self.slots, values):
+            for i, (value, where) in enumerate(zip(whole, slots)):
+                param = nn.Parameter(value, requires_grad=flat.trainable)
+                for module, attr in where:
+                    module._parameters[attr] = param
+                flat.flat.params[i] = param
+        self.in_use = False
 
     def _count(self, nbytes: int) -> None:
         if self.meter is not None:
             self.meter.add(nbytes)
 
-    # -- gradients -----------------------------------------------------------------------------
+    # -- backward bookkeeping ------------------------------------------------------------------
 
-    def note_grad(self, position: int) -> None:
-        """Trainable parameter ``position`` accumulated its gradient."""
+    def note_grad(self, position: int) -> bool:
+        """Trainable parameter ``position`` accumulated its gradient; False if it had in this round."""
         self.used[position] = True
+        if self.seen[position]:
+            return False
+        self.seen[position] = True
         self.pending -= 1
+        return True
+
+    def new_round(self) -> None:
+        """Gradients arrive after the unit's went out: another recomputed call's (see [Note: calls
+        and their backward] in sharded_module.py)."""
+        self.state = TrainingState.PRE_BACKWARD
+        self.pending = len(self.params)
+        self.seen = [False] * len(self.params)
 
     @property
     def has_frozen(self) -> bool:
@@ -461,56 +453,43 @@ class ShardedUnit:
 
     @property
     def done(self) -> bool:
-        """Its backward is over: every trainable gradient arrived and backward went through to its
-        inputs (for a unit with frozen weights, which no gradient hook tracks)."""
-        return self.pending == 0 and self.inputs_pending == 0 and self.deferred_calls == 0
+        """Its backward is over: every trainable gradient arrived and backward went through every
+        followed call to its inputs (see [Note: calls and their backward] in sharded_module.py)."""
+        return self.pending == 0 and self.inputs_pending == 0
 
-    def attach_grads(self) -> None:
-        """Its backward begins: the trainable parameters' ``.grad`` become views of one flat buffer
-        (1D, padded_numel), so autograd accumulates there and the reduce-scatter sends it as it is,
-        with no copy. A buffer kept from a ``no_sync`` micro-batch is reused: a gradient cleared since
-        (``zero_grad``) zeroes its slot, one replaced is copied in. Gradients of another dtype on the
-        wire (``reduce_dtype``) are added in at the end instead."""
-        if self.trainable is None or self.reduce_dtype != self.trainable.full.dtype:
-            return
-        space, buffer = self.flat, self.grad_buffer
-        if buffer is None:
-            buffer = torch.zeros(
-                space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device
-            )
-            self._count_buffer(buffer.numel() * buffer.element_size())
-            self.grad_buffer = buffer
-        for p, shape, offset in zip(self.params, space.shapes, space.offsets):
-            view = buffer[offset : offset + shape.numel()].view(shape)
-            if p.grad is None:
-                view.zero_()  # no-op work on a fresh buffer; clears a kept one
-            elif not _views(p.grad, buffer, offset):  # accumulated elsewhere (set by hand, or before)
-                view.copy_(p.grad)
-                self.grad_copies += 1
-            p.grad = view
+    def end_backward(self) -> None:
+        """Back to IDLE, ready for the next backward."""
+        self.state = TrainingState.IDLE
+        self.pending = len(self.params)  # trainable parameters whose gradient is not yet accumulated
+        self.used = [False] * len(self.params)  # got a gradient in this backward (this rank)
+        self.seen = [False] * len(self.params)  # got it in this round (see new_round)
+        self.rounds = 0  # ReduceScatters issued in this backward
+        self.inputs_pending = 0  # followed calls whose inputs' gradients are still to come
+        self.nograd_calls = 0  # calls without gradients (reentrant checkpointing recomputes them)
 
-    def reduce_scatter(self) -> None:
-        """Start the ReduceScatter of the unit's gradients (the buffer they accumulated in, or a
-        copy where they did not), freeing the parameters' ``.grad``."""
-        space, buffer = self.flat, self.grad_buffer
-        if buffer is None:
-            buffer = torch.zeros(
-                space.padded_numel, dtype=self.reduce_dtype, device=self.trainable.full.device
-            )
-            self._count_buffer(buffer.numel() * buffer.element_size())
-        attached = buffer is self.grad_buffer
-        for p, shape, offset in zip(self.params, space.shapes, space.offsets):
-            grad, region = p.grad, buffer[offset : offset + shape.numel()]
-            if grad is None:
-                if attached:  # cleared after it was attached: its slot holds stale values
-                    region.zero_()
-            elif not _views(grad, buffer, offset):  # the unit may be freed: use the shape
-                region.copy_(grad.reshape(-1))
-                self.grad_copies += 1
-            p.grad = None
-        buffer.div_(self.comm.mean_over)
-        self.reduce_in, self.grad_buffer = buffer, None
-        self.reduce_out = torch.empty(space.shard_numel, dtype=buffer.dtype, device=buffer.device)
+    # -- gradients -----------------------------------------------------------------------------
+
+    def keep_grads(self) -> None:
+        """``no_sync`` with unsharded accumulation: see :meth:`UnitFlat.keep_grads`."""
+        if self.trainable is not None:
+            self.trainable.keep_grads(self.reduce_dtype)
+
+    def reduce_scatter(self, divide: tuple[float, float]) -> None:
+        """Start the ReduceScatter of the unit's gradients: copied (cast to the reduce dtype) into
+        its input in the layout of the shards, divided by ``divide[0]`` first (the rest of the
+        mean, ``divide[1]``, follows the reduction: see ``gradient_divisors``)."""
+        space = self.trainable
+        grads = space.gradients()
+        buffer = torch.empty(space.flat.padded_numel, dtype=self.reduce_dtype, device=space.full.device)
+        self._count_buffer(buffer.numel() * buffer.element_size())
+        space.flat.scatter_into(grads, buffer)
+        self.grad_copies += sum(g is not None for g in grads)
+        del grads
+        if divide[0] != 1:
+            buffer.div_(divide[0])
+        self.divide_after = divide[1]
+        self.reduce_in = buffer
+        self.reduce_out = torch.empty(space.flat.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
         self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name, scratch_input=True)
 
@@ -519,42 +498,55 @@ class ShardedUnit:
             self.buffer_meter.add(nbytes)
 
     def finish_reduce(self) -> None:
-        """Wait for the ReduceScatter, add its output into the shard gradient, free the buffer."""
+        """Wait for the ReduceScatter, hand its output to the sharded parameters' gradients, free
+        the input buffer."""
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
+        out = self.reduce_out
         if self.comm.replicate is not None:  # hybrid: the group's shard summed over the replicas
             name = f"{self.label}/all_reduce/unit={self.name}/replicas"
-            self.comm.replicate.all_reduce(self.reduce_out, name=name, async_op=False)
-        self.flat.accumulate_grad(self.reduce_out)
+            self.comm.replicate.all_reduce(out, name=name, async_op=False)
+        if out.dtype != self.trainable.flat.shard.dtype:
+            out = out.to(self.trainable.flat.shard.dtype)
+        if self.divide_after != 1:
+            out.div_(self.divide_after)
+        self.held_before = self.trainable.add_reduced(out)
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
+    def drop_unused(self, used: list[bool]) -> None:
+        """After the reduction: a parameter no rank used in this backward, and that had no gradient
+        from earlier in the window, keeps ``.grad = None`` (the optimizer skips it)."""
+        for p, was_used, held in zip(self.trainable.sharded, used, self.held_before):
+            if not was_used and not held:
+                p.grad = None
+
     def drop_reduce(self) -> None:
-        """Abort: forget a finished ReduceScatter without adding it into the shard gradient."""
+        """Abort: forget a finished ReduceScatter without adding it into the gradients."""
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
     def drop_grad_buffer(self) -> None:
-        """Abort: the gradients of a backward that raised are dropped (``.grad`` None)."""
-        for p in self.params:
-            p.grad = None
-        if self.grad_buffer is not None:
-            self._count_buffer(-self.grad_buffer.numel() * self.grad_buffer.element_size())
-            self.grad_buffer = None
-
-    def end_backward(self) -> None:
-        """Back to IDLE, ready for the next backward."""
-        self.state = TrainingState.IDLE
-        self.pending = len(self.params)
-        self.used = [False] * len(self.params)
-        self.inputs_pending = 0
-        self.deferred_calls = 0
+        """Abort: the gradients of a backward that raised are dropped."""
+        if self.trainable is not None:
+            self.trainable.gradients()
 
 
-def _views(grad: Tensor, buffer: Tensor, offset: int) -> bool:
-    """``grad`` is the view of ``buffer`` that starts at element ``offset``."""
-    return grad.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
+def _no_count(nbytes: int) -> None:
+    pass
+
+
+def gradient_divisors(wire_dtype: torch.dtype, mean_over: int) -> tuple[float, float]:
+    """How the mean over ``mean_over`` ranks is taken: (before the reduction, after it). In fp32
+    all before (as DDP divides each bucket); in a 16-bit dtype split about sqrt(N), as FSDP does,
+    so that small gradients do not underflow before the sum nor large ones overflow in it."""
+    if wire_dtype not in (torch.bfloat16, torch.float16) or mean_over == 1:
+        return float(mean_over), 1.0
+    before = 1
+    while mean_over % (before * 2) == 0 and mean_over / (before * 2) >= before * 2:
+        before *= 2
+    return float(before), mean_over / before
 
 
 def _by_dtype(params: list[tuple[str, nn.Parameter]]) -> dict:

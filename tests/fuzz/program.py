@@ -284,11 +284,11 @@ def fit(program: Program, stage: int | None, root: str) -> Outcome:
     try:
         trainer.fit(model)
         saved = _save_after_fit(trainer, root) if program.save_hook or program.lightning_callbacks else None
-        params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        params = {k: _whole(v.detach().float()) for k, v in model.state_dict().items()}
     except Exception as err:  # noqa: BLE001  (the test reports it)
         error = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         return Outcome({}, model.losses, 0, {}, [], [], [], None, error)
-    ema = {k: v.float() for k, v in reader.ema.items()}
+    ema = {k: _whole(v.float()) for k, v in reader.ema.items()}
     outcome = (params, model.losses, reader.count, ema, reader.norms, model.saved_states, model.val_losses)
     return Outcome(*outcome, saved, None)
 
@@ -306,3 +306,9 @@ def _save_after_fit(trainer: Trainer, root: str) -> dict | None:
     saved = torch.load(path, weights_only=True)
     keys = ("state_dict", "export", "current_model_state")
     return {key: {k: v.float() for k, v in saved[key].items()} for key in keys if key in saved}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """What a program keeps of a tensor, whole: stage 3 leaves parameters (and what is made from
+    them, an EMA) as DTensors, whose whole value every rank gathers together (``full_tensor()``)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()

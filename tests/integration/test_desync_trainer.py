@@ -2,9 +2,9 @@
 
 Two ranks started the way torchrun starts them, one of them out of step on purpose:
 
-- with default options, at stage 3, rank 0 uses a parameter of one unit outside the step and
-  rank 1 one of another unit: two all-gathers of different sizes under one sequence number (gloo
-  alone aborts rank 0 from C++; the check before each collective stops both, naming both);
+- with default options, at stage 3, rank 0 sums a parameter of one unit at rest and rank 1 one of
+  another unit: two all-reduces of the partial sums under one sequence number, named after the
+  parameters (the check before each collective stops both, naming both and the cause);
 - rank 0 logs a value with ``sync_dist=True`` that rank 1 does not: Lightning's own all-reduce on
   rank 0, the next batch's agreement on rank 1, found apart by the watchdog (``watchdog_s``);
 - the margin: a slow step, a long checkpoint save and a long validation, each several times
@@ -197,7 +197,7 @@ def _printed_report(output: str) -> str:
     return "\n".join([lines[0], *[line for line in lines[1:3] if line.startswith("  rank ")]])
 
 
-def test_differently_sized_all_gathers_at_stage_3_stop_every_rank_with_default_options(tmp_path):
+def test_reads_at_rest_of_different_parameters_at_stage_3_stop_every_rank_named(tmp_path):
     touch = {"touch": ["body", "head"], "at": 2}
     runs, after = _seconds_after_fault(
         tmp_path, strategy={"stage": 3, "wrap_policy": "torch.nn.Linear"}, **touch
@@ -207,13 +207,14 @@ def test_differently_sized_all_gathers_at_stage_3_stop_every_rank_with_default_o
         report = _printed_report(run.output)
         assert "the ranks are out of step (a desync)" in report
         assert re.search(
-            rf"rank 0 \({HOST}\) waits in all_gather #(\d+) zero3/all_gather/at_rest/unit=body \(", report
+            rf"rank 0 \({HOST}\) waits in all_reduce #(\d+) zero3/at_rest/sum/body.weight \(", report
         )
         assert re.search(
-            rf"rank 1 \({HOST}\) waits in all_gather #(\d+) zero3/all_gather/at_rest/unit=head \(", report
+            rf"rank 1 \({HOST}\) waits in all_reduce #(\d+) zero3/at_rest/sum/head.weight \(", report
         )
         assert f"rank(s) {1 - run.rank} are elsewhere" in report
-        numbers = re.findall(r"waits in all_gather #(\d+)", report)
+        assert "a stage-3 parameter read at rest" in run.output and "full_state_dict()" in run.output
+        numbers = re.findall(r"waits in all_reduce #(\d+)", report)
         assert len(numbers) == 2 and numbers[0] == numbers[1], report  # one sequence number, two collectives
     assert max(after) < BOUND_S, after
 
@@ -233,7 +234,7 @@ def test_a_desync_after_the_schedule_is_learned_stops_every_rank_named(tmp_path)
         assert "rank(s) 1 issued another collective under its number" in run.output, run.output[-4000:]
         mine = re.search(rf"rank 0 \({HOST}\) waits in \w+ #(\d+) zero3/\w+/unit=", run.output)
         theirs = re.search(
-            rf"rank 1 \({HOST}\) waits in all_gather #(\d+) zero3/all_gather/at_rest/unit=body \(", run.output
+            rf"rank 1 \({HOST}\) waits in all_reduce #(\d+) zero3/at_rest/sum/body.weight \(", run.output
         )
         assert mine and theirs and mine[1] == theirs[1], run.output[-4000:]
     assert "Received data size" not in runs[0].output + runs[1].output
