@@ -142,6 +142,10 @@ class Engine:
         if self.wrapped is not None and hasattr(self.wrapped.sync, "attach_grads"):
             self.wrapped.sync.attach_grads()
 
+    def before_step(self, optimizer: Optimizer, index: int) -> None:
+        """The optimizer is about to step (the gradients are final): stages 1-2 take what the user
+        made of the parameters' ``.grad`` into the shards ([Note: gradients of whole parameters])."""
+
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         """After the optimizer stepped: masters into the parameters; stages 1-2 all-gather them."""
         if not self.masters:
@@ -284,6 +288,9 @@ class ShardedOptimizerEngine(Engine):
             self.sharded_params.shard_optimizer(optimizer, index)
         return self.wrapped
 
+    def before_step(self, optimizer: Optimizer, index: int) -> None:
+        self.sharded_params.take_user_grads(index)
+
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         self.sharded_params.after_step(optimizer, index)
 
@@ -418,9 +425,7 @@ class FullyShardedEngine(Engine):
         if index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(index)
-        for space in self.flat_spaces():
-            space.release_grads(index)
-        self.zero3.after_step()
+        self.zero3.after_step()  # the gradients stay until the optimizer's zero_grad, as under DDP
 
     def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any]:
         groups = self.group_params(optimizer, index)

@@ -50,9 +50,16 @@ from lightning_zero.zero.dtensor import local_of
 
 class _GlobalNormClipping:
     _zero_clip_fn: Any  # (optimizer, max_norm) -> total norm; set by install_sharded_clipping
+    _zero_before_step: Any  # (optimizer) -> None: the user's gradients into the shards; or None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._zero_clip_fn(optimizer, float(clip_val))
+
+    def _clip_gradients(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        # after the closure and on_before_optimizer_step, before clipping and the step
+        if self._zero_before_step is not None:
+            self._zero_before_step(optimizer)
+        super()._clip_gradients(model, optimizer, *args, **kwargs)
 
 
 @functools.cache
@@ -62,18 +69,20 @@ def _with_global_norm(cls: type) -> type:
     return type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), namespace)
 
 
-def install_sharded_clipping(plugin: Precision, clip_fn: Any) -> None:
-    """Make ``plugin`` clip by ``clip_fn(optimizer, max_norm)`` (the global norm over shards)."""
+def install_sharded_clipping(plugin: Precision, clip_fn: Any, before_step: Any = None) -> None:
+    """Make ``plugin`` clip by ``clip_fn(optimizer, max_norm)`` (the global norm over shards) and
+    call ``before_step(optimizer)`` once the closure and the hooks before the step ran."""
     base = getattr(type(plugin), "_zero_base", type(plugin))
     plugin.__class__ = _with_global_norm(base)
     plugin._zero_clip_fn = clip_fn
+    plugin._zero_before_step = before_step
 
 
 def remove_sharded_clipping(plugin: Precision) -> None:
     base = getattr(type(plugin), "_zero_base", None)
     if base is not None:
         plugin.__class__ = base
-        del plugin._zero_clip_fn
+        del plugin._zero_clip_fn, plugin._zero_before_step
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config names

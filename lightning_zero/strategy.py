@@ -278,7 +278,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None and self._engine.sharded:
-            install_sharded_clipping(self.precision_plugin, self._clip_grad_norm)
+            install_sharded_clipping(self.precision_plugin, self._clip_grad_norm, self._before_step)
 
     def _watch_faults(self) -> None:
         """Every rank's host known, the fault board open, the watchdog on if asked (docs/failures.md)."""
@@ -331,6 +331,12 @@ class ZeroStrategy(DDPStrategy):
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return next(i for i, opt in enumerate(self.optimizers) if opt is inner)
+
+    def _before_step(self, optimizer: Optimizer) -> None:
+        """The closure ran: what the user made of the gradients is what the optimizer steps."""
+        if self._engine is not None:
+            index = self._optimizer_index(optimizer)
+            self._engine.before_step(self.optimizers[index], index)
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         assert self._engine is not None

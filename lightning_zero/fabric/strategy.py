@@ -344,6 +344,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         masters into the parameters, stages 1-2 all-gather them."""
         engine = self._ready()
         index = self._index(optimizer)
+        engine.before_step(self._optimizers[index], index)
         output = super().optimizer_step(optimizer, **kwargs)
         engine.after_step(self._optimizers[index], index)
         if index == 0:

@@ -82,6 +82,7 @@ failed backward are unmarked (``find_unused_parameters``).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Generator, Hashable, Sequence
 from contextlib import contextmanager
@@ -90,10 +91,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 from torch.nn import Parameter
+from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, _itemsize, plan_buckets
+from lightning_zero.grad_sync.range_grad import RangeGrad
 from lightning_zero.memory import GatherMeter
 
 
@@ -348,18 +351,33 @@ class GradReducer:
         with sync_suspended(self, honoured=self.honours_no_sync):
             yield
 
-    def finish_forward(self, output: object) -> None:
-        """Nothing to do after forward: the hooks drive everything from here."""
-
     def abort_forward(self) -> None:
         """The step raised: nothing to undo."""
 
     def prepare_forward(self) -> None:
-        """A training forward begins: every ``.grad`` in its bucket slot (see :meth:`attach_grads`)."""
+        """A training forward begins: every ``.grad`` in its bucket slot (see :meth:`attach_grads`),
+        but a reduced gradient, which stays readable until ``zero_grad`` or the next backward."""
         if torch.is_grad_enabled():  # evaluation: gradients untouched
-            self.attach_grads()
+            self.attach_grads(keep_reduced=True)
 
-    def attach_grads(self) -> None:
+    def finish_forward(self, output: object) -> None:
+        """Stages 1-2: the reduced gradients still on the parameters leave them when backward starts
+        (a backward called past ``pre_backward``), before autograd would accumulate into them."""
+        if self.stage >= 1 and any(isinstance(p.grad, RangeGrad) for p in self.params):
+            tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _: self.drop_reduced(), mode="any"
+                )
+
+    def drop_reduced(self) -> None:
+        """The parameters' reduced gradients are dropped (``zero_grad``, or a backward begins): what
+        they showed lives on in the shard gradients the optimizer steps."""
+        for p in self.params:
+            if isinstance(p.grad, RangeGrad):
+                p.grad = None
+
+    def attach_grads(self, *, keep_reduced: bool = False) -> None:
         """Point every ``.grad`` at its bucket slot, so that autograd accumulates into the bucket with
         no second copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its
         gradients were cleared, as ``zero_grad`` leaves them), a replaced one copied in. Called again
@@ -367,10 +385,14 @@ class GradReducer:
         No backward is running here: one that raised is noticed (see [Note: a backward that raised])."""
         if self._end.raised(idle=True):
             self._abort()
+        if not keep_reduced:
+            self.drop_reduced()
         if not self.attach_views:
             return
         for bucket in self.buckets:
             grads = [p.grad for p in bucket.params]
+            if keep_reduced and any(isinstance(g, RangeGrad) for g in grads):
+                continue  # attached before backward (see drop_reduced)
             if all(g is None for g in grads):
                 self._writable(bucket).zero_()
                 for p, view in zip(bucket.params, bucket.views):
@@ -525,8 +547,23 @@ class GradReducer:
             if used is not None:
                 self.spaces[bucket.index].drop_unused([used[j] for j in bucket.spec.params])
         self._in_flight.clear()
-        for p in self.params:
-            p.grad = None
+        for bucket in self.buckets:
+            self._show_reduced(bucket)
+
+    def _show_reduced(self, bucket: Bucket) -> None:
+        """Each parameter's ``.grad``: its reduced gradient, of which this rank holds a range (see
+        [Note: gradients of whole parameters] in grad_sync/range_grad.py); None where none is held."""
+        space = self.spaces[bucket.index]
+        present = space._present() if space.grad is not None else [False] * len(bucket.params)
+        for k, p in enumerate(bucket.params):
+            if not present[k]:
+                p.grad = None
+                continue
+            start, stop, offset = space.slices[k]
+            whole = functools.partial(_whole_grad, space, k, self.comm, self.label)
+            name = self.names[bucket.spec.params[k]]
+            local = space.grad[start:stop]
+            p.grad = RangeGrad(local, p.shape, offset, whole, self.comm, name, self.label, p.dtype)
 
     def _finalize(self) -> None:
         """End of a synchronised backward: launch what is left, wait for everything, check."""
@@ -691,3 +728,12 @@ class GradReducer:
             "freeze them (requires_grad=False) before training, or pass find_unused_parameters=True to the "
             "strategy (e.g. ZeroStrategy(find_unused_parameters=True) or strategy.find_unused_parameters=true)."
         )
+
+
+def _whole_grad(space: FlatParameter, position: int, comm: Communicator, label: str) -> Tensor:
+    """The whole reduced gradient of one parameter of ``space`` on every rank (an AllGather of the
+    shard gradient; a collective)."""
+    shard = space.grad if space.grad is not None else space.shard.new_zeros(space.shard_numel)
+    full = torch.empty(space.padded_numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(full, shard, name=f"{label}/at_rest/gather/grad={space.name}", async_op=False)
+    return space.value_of(full, position).clone()

@@ -411,5 +411,6 @@ def like_param(param: DTensor, local: Tensor) -> ZeroDTensor:
 
 
 def local_of(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (this rank's rows), a plain tensor as it is."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """What this rank holds of a tensor: a DTensor's local rows, a stages 1-2 gradient's range
+    (``RangeGrad``), a plain tensor as it is."""
+    return getattr(t, "_local_tensor", t)

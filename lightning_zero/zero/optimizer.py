@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.grad_sync import GradReducer
+from lightning_zero.grad_sync.range_grad import take_into_shards
 from lightning_zero.imports import resolve_optimizer_classes  # noqa: F401  (re-exported)
 from lightning_zero.zero.flat_param import (
     FlatParameter,
@@ -145,10 +146,28 @@ class ShardedParams:
         return [b for b, s in enumerate(self.spaces) if s.optimizer_subs(optimizer_index)]
 
     def shard_optimizer(self, optimizer: Optimizer, optimizer_index: int) -> None:
-        """Replace the groups' parameters by their sub-shards (see [Note: optimizer in place])."""
+        """Replace the groups' parameters by their sub-shards (see [Note: optimizer in place]); its
+        ``zero_grad`` also drops the parameters' reduced gradients (see [Note: gradients of whole
+        parameters] in grad_sync/range_grad.py)."""
         self.original_groups[optimizer_index] = shard_optimizer_in_place(
             optimizer, optimizer_index, self.spaces
         )
+        _also_on_zero_grad(optimizer, lambda: self._drop_grads(optimizer_index))
+
+    def _drop_grads(self, optimizer_index: int) -> None:
+        """``zero_grad``: the parameters' reduced gradients go, and the shard gradients no
+        sub-shard holds any more are freed."""
+        self.reducer.drop_reduced()
+        for space in self.spaces:
+            space.release_grads(optimizer_index)
+
+    def take_user_grads(self, optimizer_index: int) -> None:
+        """Before that optimizer's step: what the user made of its parameters' ``.grad`` (scaled,
+        replaced, dropped) is what its sub-shards step."""
+        for space in self.spaces:
+            subs = {i: [sub] for i, sub in space.optimizer_subs(optimizer_index).items()}
+            if subs:
+                take_into_shards(space, space.params, subs)
 
     def all_gather_params(self, optimizer_index: int) -> None:
         """Every rank's updated chunk everywhere: one in-place AllGather per bucket, then wait."""
@@ -163,11 +182,10 @@ class ShardedParams:
             handle.wait()
 
     def after_step(self, optimizer: Optimizer, optimizer_index: int) -> None:
+        """The gradients stay until the optimizer's ``zero_grad``, as under DDP."""
         if optimizer_index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(optimizer_index)
-        for space in self.spaces:
-            space.release_grads(optimizer_index)
         self.all_gather_params(optimizer_index)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
@@ -183,6 +201,19 @@ class ShardedParams:
         load_full_optimizer_state(
             optimizer, optimizer_index, self.spaces, self.original_groups[optimizer_index], saved
         )
+
+
+def _also_on_zero_grad(optimizer: Optimizer, drop: Any) -> None:
+    """``optimizer.zero_grad`` also calls ``drop()`` (the optimizer object is the user's: its class is
+    untouched, the instance gets a zero_grad of its own)."""
+    original = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        original(set_to_none=set_to_none)
+        if set_to_none:
+            drop()
+
+    optimizer.zero_grad = zero_grad
 
 
 def check_state_shapes(optimizer: Optimizer) -> None:
