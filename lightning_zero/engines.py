@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.config import ZeroConfig
-from lightning_zero.grad_sync import ZeroModule, trainable_parameters, wrap_module
+from lightning_zero.grad_sync import GradReducer, ZeroModule, trainable_parameters, wrap_module
 from lightning_zero.imports import resolve_init_fn
 from lightning_zero.precision import PrecisionPolicy, cast_parameters
 from lightning_zero.zero.deferred import Initializer, is_deferred
@@ -138,9 +138,11 @@ class Engine:
         return getattr(sync, "grad_copies", 0)
 
     def prepare_backward(self) -> None:
-        """A backward follows: gradients in their buckets (undoing a ``zero_grad`` since forward)."""
-        if self.wrapped is not None and hasattr(self.wrapped.sync, "attach_grads"):
-            self.wrapped.sync.attach_grads()
+        """A backward follows: one that raised before it is noticed now (see [Note: a backward that
+        raised]); the gradients go into their buckets when it starts (``GradReducer.attach_grads``)."""
+        sync = self.wrapped.sync if self.wrapped is not None else None
+        if isinstance(sync, GradReducer):
+            sync.prepare_forward()
 
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         """The optimizer is about to step (the gradients are final): stages 1-2 take what the user

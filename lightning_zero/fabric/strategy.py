@@ -352,6 +352,13 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         return output
 
     @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """A backward that raised before is noticed first (see [Note: a backward that raised])."""
+        if self._engine is not None:
+            self._engine.prepare_backward()
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
     def clip_gradients_norm(
         self,
         module: nn.Module,

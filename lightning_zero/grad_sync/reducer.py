@@ -355,20 +355,20 @@ class GradReducer:
         """The step raised: nothing to undo."""
 
     def prepare_forward(self) -> None:
-        """A training forward begins: every ``.grad`` in its bucket slot (see :meth:`attach_grads`),
-        but a reduced gradient, which stays readable until ``zero_grad`` or the next backward."""
-        if torch.is_grad_enabled():  # evaluation: gradients untouched
-            self.attach_grads(keep_reduced=True)
+        """A forward begins: a backward that raised is noticed (see [Note: a backward that raised]);
+        the gradients stay as they are (as under DDP, no ``.grad`` appears before a backward)."""
+        if self._end.raised(idle=True):
+            self._abort()
 
     def finish_forward(self, output: object) -> None:
-        """Stages 1-2: the reduced gradients still on the parameters leave them when backward starts
-        (a backward called past ``pre_backward``), before autograd would accumulate into them."""
-        if self.stage >= 1 and any(isinstance(p.grad, RangeGrad) for p in self.params):
-            tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda _: self.drop_reduced(), mode="any"
-                )
+        """When backward reaches this forward's outputs, before any parameter of it accumulates:
+        the gradients go into their buckets (:meth:`attach_grads`). Until then ``.grad`` is what the
+        user left (None after ``zero_grad``, as under DDP)."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.attach_grads(), mode="any")
 
     def drop_reduced(self) -> None:
         """The parameters' reduced gradients are dropped (``zero_grad``, or a backward begins): what
@@ -377,22 +377,18 @@ class GradReducer:
             if isinstance(p.grad, RangeGrad):
                 p.grad = None
 
-    def attach_grads(self, *, keep_reduced: bool = False) -> None:
-        """Point every ``.grad`` at its bucket slot, so that autograd accumulates into the bucket with
-        no second copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its
-        gradients were cleared, as ``zero_grad`` leaves them), a replaced one copied in. Called again
-        right before backward, after Lightning's ``zero_grad`` (which runs between forward and backward).
-        No backward is running here: one that raised is noticed (see [Note: a backward that raised])."""
-        if self._end.raised(idle=True):
-            self._abort()
-        if not keep_reduced:
-            self.drop_reduced()
+    def attach_grads(self) -> None:
+        """As a backward starts (its first node, before any parameter accumulates): point every
+        ``.grad`` at its bucket slot, so that autograd accumulates into the bucket with no second
+        copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its gradients
+        were cleared, as ``zero_grad`` leaves them), a replaced one copied in; a reduced gradient of
+        stages 1-2 is dropped first (it lives on in the shard gradient). Idempotent: after it the
+        gradients are the buckets' views."""
+        self.drop_reduced()
         if not self.attach_views:
             return
         for bucket in self.buckets:
             grads = [p.grad for p in bucket.params]
-            if keep_reduced and any(isinstance(g, RangeGrad) for g in grads):
-                continue  # attached before backward (see drop_reduced)
             if all(g is None for g in grads):
                 self._writable(bucket).zero_()
                 for p, view in zip(bucket.params, bucket.views):

@@ -91,6 +91,7 @@ _DESCRIBE = {
 _DESCRIBE.add(Tensor.grad.__set__)
 _HOOKS = {Tensor.register_hook, Tensor.register_post_accumulate_grad_hook}
 _RECLASS = {Tensor.grad.__get__, Tensor.data.__get__}  # give a DTensor: keep it a ZeroDTensor
+_DATA_SET = Tensor.data.__set__  # compared with ==: each access makes another method-wrapper
 _NEEDS_VALUES = {  # give Python values: a sharded tensor is gathered first
     getattr(Tensor, name)
     for name in ("tolist", "numpy", "__array__", "item", "__float__", "__int__", "__bool__", "__index__")
@@ -111,7 +112,7 @@ class ZeroDTensor(DTensor):
         if func in _RECLASS:
             with torch._C.DisableTorchFunctionSubclass():
                 return _as_zero(func(*args, **kwargs), args[0])
-        if func is Tensor.data.__set__:
+        if func == _DATA_SET:
             return _assign(args[0], args[1])
         if hook:
             return _register_on_both(func, *args, **kwargs)

@@ -28,6 +28,7 @@ stages accept the optimizers in :data:`ELEMENTWISE` and those a user declares wi
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -203,17 +204,32 @@ class ShardedParams:
         )
 
 
-def _also_on_zero_grad(optimizer: Optimizer, drop: Any) -> None:
-    """``optimizer.zero_grad`` also calls ``drop()`` (the optimizer object is the user's: its class is
-    untouched, the instance gets a zero_grad of its own)."""
-    original = optimizer.zero_grad
+class _AlsoDropsReduced:
+    """Mixed into an optimizer's class: ``zero_grad`` also drops what ``_zero_drop`` drops (through
+    a wrapper that imitates the optimizer's class too, such as Fabric's, which calls the class's
+    ``zero_grad`` with itself and reaches the optimizer's attributes)."""
 
-    def zero_grad(set_to_none: bool = True) -> None:
-        original(set_to_none=set_to_none)
+    _zero_drop: Any  # () -> None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
         if set_to_none:
-            drop()
+            self._zero_drop()
 
-    optimizer.zero_grad = zero_grad
+
+@functools.cache
+def _dropping(cls: type) -> type:
+    # the base's names: messages, and pickle, see the user's class
+    namespace = {"_zero_base": cls, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+    return type(cls.__name__, (_AlsoDropsReduced, cls), namespace)
+
+
+def _also_on_zero_grad(optimizer: Optimizer, drop: Any) -> None:
+    """``optimizer.zero_grad()`` (set to None) also calls ``drop()``: the instance gets a class of its
+    own that keeps the user's in its MRO (isinstance checks and the class's step unchanged)."""
+    base = getattr(type(optimizer), "_zero_base", type(optimizer))
+    optimizer.__class__ = _dropping(base)
+    optimizer._zero_drop = drop
 
 
 def check_state_shapes(optimizer: Optimizer) -> None:

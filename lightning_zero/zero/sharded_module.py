@@ -318,13 +318,16 @@ class ZeroThree:
             self._recover()
             unit.state = FORWARD
             unit.gather()
+            cast = _cast_inputs(unit, args, kwargs)
+            args, kwargs = cast if cast is not None else (args, kwargs)
             if not torch.is_grad_enabled():
                 unit.nograd_calls += 1
-                return None
+                return cast
             if self._recording and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._prefetch(unit, self.forward_order)
-            return self._follow_call(unit, args, kwargs) if unit.has_frozen else None
+            followed = self._follow_call(unit, args, kwargs) if unit.has_frozen else None
+            return followed if followed is not None else cast
 
         return hook
 
@@ -347,6 +350,7 @@ class ZeroThree:
             needs_backward = bool(_grad_tensors(output))
             if needs_backward:
                 self._register_pre_backward(unit, output)
+                unit.note_forward_values()
             if not needs_backward or self.reshard_after_forward:
                 self._release(unit)
 
@@ -397,8 +401,10 @@ class ZeroThree:
         self._end.note()
         if unit.state is POST_BACKWARD:  # a recomputed call in a graph task of its own: a new round
             unit.new_round()
+        unit.check_forward_values()
         unit.state = PRE_BACKWARD
         unit.gather()
+        unit.mirror_grads(False)  # autograd accumulates into the gathered parameters now
         self._prefetch(unit, self._backward_order())
 
     def _backward_order(self) -> list[ShardedUnit]:
@@ -619,6 +625,21 @@ class _PostBackward(torch.autograd.Function):
         for i, t in zip(positions, cls.apply(done, *(leaves[i] for i in positions))):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
+
+
+def _cast_inputs(unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A unit computing in a dtype of its own (a mixed-precision policy): its floating inputs in that
+    dtype (``block(x)`` from a hook, on fp32 data), as FSDP2 casts forward inputs to its
+    ``param_dtype``; None when nothing changes."""
+    flat = unit.trainable
+    if flat is None or flat.compute_dtype == flat.flat.shard.dtype:
+        return None
+    leaves, spec = tree_flatten((args, kwargs))
+    dtype = flat.compute_dtype
+    if not any(isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype for t in leaves):
+        return None
+    leaves = [t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in leaves]
+    return tree_unflatten(leaves, spec)
 
 
 def _grad_tensors(output: Any) -> list[Tensor]:

@@ -54,6 +54,25 @@ class TrainingState(Enum):
     POST_BACKWARD = "post_backward"  # its gradients went out; done for this backward
 
 
+_GRAD_GET = Tensor.grad.__get__  # compared with ==: each access makes another method-wrapper
+
+
+class _ShowsTwinGrad(nn.Parameter):
+    """A gathered parameter whose twin at rest holds a gradient (the last step's, until
+    ``zero_grad``): reading its ``.grad`` gives that one while it has none of its own, as the
+    parameter does under DDP. Given to a unit's gathered parameters only while they are in the
+    modules outside its backward (see :meth:`ShardedUnit.mirror_grads`); every op runs as on a
+    plain parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if out is None and func == _GRAD_GET:
+            return args[0]._zero_sharded.grad
+        return out
+
+
 def is_at_rest(p: Tensor) -> bool:
     """The parameter is a stage-3 parameter at rest (its values live in its unit's shard)."""
     return hasattr(p, "_zero_name") and hasattr(p, "placements")
@@ -333,6 +352,7 @@ class ShardedUnit:
         self.reduce_out: Tensor | None = None  # 1D, S: its output
         self.held_before: list[bool] = []  # per trainable parameter: had a gradient before the last add
         self.grad_copies = 0  # gradients copied into a ReduceScatter's input
+        self.forward_versions: list[int] | None = None  # the shards' versions its last forward saw
         self.meter = meter  # shared gathered-bytes count
         self.buffer_meter = buffer_meter  # gradient buffers of the model's units alive, now and at most
         for flat in self.flats:
@@ -388,6 +408,26 @@ class ShardedUnit:
         for flat in self.flats:
             flat.mark_for_write_back()
 
+    def note_forward_values(self) -> None:
+        """A forward with gradients ran: its backward must see the same values (see
+        :meth:`check_forward_values`)."""
+        self.forward_versions = [f.flat.shard._version for f in self.flats]
+
+    def check_forward_values(self) -> None:
+        """Its backward begins: the parameters must be as its forward saw them. A change made in
+        place at rest in between (a hook scaling weights, an optimizer step) would make backward
+        gather the new values: refused, as autograd refuses a saved tensor changed in place."""
+        versions, self.forward_versions = self.forward_versions, None
+        if versions is None or versions == [f.flat.shard._version for f in self.flats]:
+            return
+        names = ", ".join(n for f in self.flats for n in f.names[:4])
+        raise RuntimeError(
+            f"stage 3: the parameters of unit {self.name!r} ({names}, ...) were changed in place after its "
+            "forward and before its backward, which would compute with the new values: one of the variables "
+            "needed for gradient computation has been modified by an inplace operation. Change parameters "
+            "before the forward or after the optimizer step (under DDP autograd refuses this too)."
+        )
+
     def reshard(self, *, force: bool = False) -> None:
         """The modules get the sharded parameters back and the gathered values are released (see
         [Note: gathered and sharded]); a pinned or held unit stays unless forced."""
@@ -413,6 +453,17 @@ class ShardedUnit:
                 for module, attr in where:
                     module._parameters[attr] = p
         self.in_use = not sharded
+        self.mirror_grads(not sharded)
+
+    def mirror_grads(self, on: bool) -> None:
+        """While the modules hold the gathered parameters outside the unit's backward, those whose
+        twin at rest holds a gradient show it (see :class:`_ShowsTwinGrad`); off before backward
+        accumulates into them, and when the unit is freed."""
+        for flat in self.flats:
+            for u, p in zip(flat.unsharded, flat.sharded):
+                shows = on and p.grad is not None
+                if shows != (type(u) is _ShowsTwinGrad):
+                    u.__class__ = _ShowsTwinGrad if shows else nn.Parameter
 
     def put_whole(self, values: list[list[Tensor]]) -> None:
         """Teardown with the whole values: per flat, per parameter, a plain parameter of its own
