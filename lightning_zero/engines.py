@@ -137,12 +137,16 @@ class Engine:
             return sum(u.grad_copies for u in sync.units)
         return getattr(sync, "grad_copies", 0)
 
-    def prepare_backward(self) -> None:
-        """A backward follows: one that raised before it is noticed now (see [Note: a backward that
-        raised]); the gradients go into their buckets when it starts (``GradReducer.attach_grads``)."""
+    def prepare_backward(self, loss: Tensor | None = None) -> None:
+        """A backward of ``loss`` follows (the glue's ``pre_backward``): one that raised before it is
+        noticed now (see [Note: a backward that raised]); when it starts, the gradients go into their
+        buckets (``GradReducer.attach_grads``), also for a backward inside the step's forward (manual
+        optimization), whose outputs no hook follows yet."""
         sync = self.wrapped.sync if self.wrapped is not None else None
         if isinstance(sync, GradReducer):
             sync.prepare_forward()
+            if loss is not None:
+                sync.attach_when_backward_starts([loss])
 
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         """The optimizer is about to step (the gradients are final): stages 1-2 take what the user
@@ -157,8 +161,13 @@ class Engine:
             for master in group["params"]:
                 master.grad = None
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        return clip_grad_norm_(optimizer, max_norm, self.comm, self.label)
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, *, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """The sharded stages' clipping by the global 2-norm (see ``flat_param.clip_grad_norm_``)."""
+        return clip_grad_norm_(
+            optimizer, max_norm, self.comm, self.label, error_if_nonfinite=error_if_nonfinite
+        )
 
     def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any]:
         return optimizer.state_dict()
@@ -307,6 +316,12 @@ class ShardedOptimizerEngine(Engine):
             return {}
         self.take_back()
         return full_parameters(self.sharded_params.spaces, self.comm, self.label)
+
+    def full_state_dict(self, module: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
+        if not self.sharded_params.masters or self.finished:  # the parameters hold the values
+            return super().full_state_dict(module, rank0_only=rank0_only)
+        self.take_back()
+        return _gathered_state_dict(self, module, self.sharded_params.spaces, rank0_only=rank0_only)
 
     def take_back(self) -> None:
         """See [Note: taking back parameter changes]: this rank's chunk of each bucket against its
@@ -473,18 +488,7 @@ class FullyShardedEngine(Engine):
             unit.put_whole(whole)
 
     def full_state_dict(self, module: nn.Module, *, rank0_only: bool = True) -> dict[str, Tensor]:
-        """The module's state dict with full parameter values (the optimizer's: fp32 masters under a
-        policy) in CPU memory, gathered one flat space at a time; ``rank0_only``: only rank 0 gets
-        it (the others ``{}``), never more than one space gathered beyond its shards."""
-        values: dict[int, Tensor] = {}
-        dst = 0 if rank0_only else None
-        for space in self.param_spaces():
-            for pid, value in gather_values(space, self.comm, self.label, dst=dst).items():
-                values[id(space.params[pid])] = value
-        if rank0_only and self.comm.rank != 0:
-            return {}
-        state = state_dict_with(module, values)
-        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
+        return _gathered_state_dict(self, module, self.param_spaces(), rank0_only=rank0_only)
 
     def flat_spaces(self) -> list[FlatParameter]:
         return [u.flat for u in self.zero3.units if u.flat is not None]
@@ -509,6 +513,23 @@ class FullyShardedEngine(Engine):
         gathers the loaded values."""
         if not self.finished:
             self.zero3.after_step()
+
+
+def _gathered_state_dict(
+    engine: Engine, module: nn.Module, spaces: Sequence[FlatParameter], *, rank0_only: bool
+) -> dict[str, Any]:
+    """The module's state dict with the values the flat spaces' shards hold (the optimizer's: fp32
+    masters under a policy) in CPU memory, gathered one space at a time; ``rank0_only``: only rank 0
+    gets it (the others ``{}``), never more than one space gathered beyond its shards."""
+    values: dict[int, Tensor] = {}
+    dst = 0 if rank0_only else None
+    for space in spaces:
+        for pid, value in gather_values(space, engine.comm, engine.label, dst=dst).items():
+            values[id(space.params[pid])] = value
+    if rank0_only and engine.comm.rank != 0:
+        return {}
+    state = state_dict_with(module, values)
+    return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _device_of(module: nn.Module) -> torch.device:

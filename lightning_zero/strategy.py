@@ -326,7 +326,7 @@ class ZeroStrategy(DDPStrategy):
         """Lightning's closure calls ``zero_grad`` between forward and backward: the gradients go back
         into their buckets before backward, so autograd accumulates there (no second copy)."""
         if self._engine is not None:
-            self._engine.prepare_backward()
+            self._engine.prepare_backward(closure_loss)
 
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

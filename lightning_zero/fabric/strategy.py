@@ -355,7 +355,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """A backward that raised before is noticed first (see [Note: a backward that raised])."""
         if self._engine is not None:
-            self._engine.prepare_backward()
+            self._engine.prepare_backward(tensor)
         super().backward(tensor, module, *args, **kwargs)
 
     @override
@@ -381,13 +381,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 "use norm_type=2, or stage 0"
             )
         self.precision.unscale_gradients(optimizer)
-        total = engine.clip_grad_norm_(optimizer, float(max_norm))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of the gradients is {total.item()} (non-finite); the gradients are not usable. "
-                "Pass error_if_nonfinite=False to clip_gradients to go on (the step then writes NaN/inf)"
-            )
-        return total
+        # a non-finite norm raises before any gradient is scaled, as torch's clip_grad_norm_ does
+        return engine.clip_grad_norm_(optimizer, float(max_norm), error_if_nonfinite=error_if_nonfinite)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -451,11 +446,16 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The whole model under its original names (stage 3 gathers it: every rank calls it)."""
+        """The whole model under its original names, as Lightning's FSDP gives it: at stages 1-3 in
+        rank 0's CPU memory (the others get ``{}``), gathered one flat space at a time, so that no
+        rank holds more than one unit or bucket beyond its shards (every rank calls it)."""
         if not self._owns(module):
             return super().get_module_state_dict(module)
         assert self._module is not None
-        return self._ready().module_state_dict(self._module)
+        engine = self._ready()
+        if engine.sharded:
+            return engine.full_state_dict(self._module, rank0_only=True)
+        return engine.module_state_dict(self._module)
 
     @override
     def load_module_state_dict(

@@ -364,9 +364,12 @@ class GradReducer:
         """When backward reaches this forward's outputs, before any parameter of it accumulates:
         the gradients go into their buckets (:meth:`attach_grads`). Until then ``.grad`` is what the
         user left (None after ``zero_grad``, as under DDP)."""
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if torch.is_grad_enabled():
+            self.attach_when_backward_starts(tree_leaves(output))
+
+    def attach_when_backward_starts(self, outputs: list) -> None:
+        """:meth:`attach_grads` when backward first reaches one of ``outputs``."""
+        tensors = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.attach_grads(), mode="any")
 
@@ -383,7 +386,10 @@ class GradReducer:
         copy: a cleared gradient's slot is zeroed (one ``zero_`` per bucket when all its gradients
         were cleared, as ``zero_grad`` leaves them), a replaced one copied in; a reduced gradient of
         stages 1-2 is dropped first (it lives on in the shard gradient). Idempotent: after it the
-        gradients are the buckets' views."""
+        gradients are the buckets' views. The last backward raised: it is cleaned up first, as the
+        next gradient hook would (see [Note: a backward that raised])."""
+        if self._end.raised():
+            self._abort(in_backward=True)
         self.drop_reduced()
         if not self.attach_views:
             return

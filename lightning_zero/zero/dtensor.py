@@ -99,6 +99,26 @@ _NEEDS_VALUES = {  # give Python values: a sharded tensor is gathered first
 }
 
 
+class Writes:
+    """How many in-place ops ran on the parameters at rest of one flat space (counted here: DTensor
+    runs the local op below autograd, where the shard's version counter does not move)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _count_writes(func: Any, args: tuple) -> None:
+    if not getattr(func, "__name__", "").endswith("_") or not args:
+        return
+    targets = args[0] if isinstance(args[0], (list, tuple)) else (args[0],)
+    for t in targets:
+        writes = getattr(t, "_zero_writes", None)
+        if writes is not None:
+            writes.count += 1
+
+
 class ZeroDTensor(DTensor):
     """A DTensor whose reads give what plain training gives (see [Note: parameters at rest])."""
 
@@ -118,6 +138,7 @@ class ZeroDTensor(DTensor):
             return _register_on_both(func, *args, **kwargs)
         if func is Tensor.__deepcopy__:
             return _deepcopy(args[0], args[1] if len(args) > 1 else kwargs.get("memo", {}))
+        _count_writes(func, args)
         leaves, spec = tree_flatten((args, kwargs))
         if any(_is_plain(t) for t in leaves):
             return _mixed(func, leaves, spec)
@@ -365,6 +386,7 @@ def _assign(p: ZeroDTensor, value: Tensor) -> None:
     source = value if isinstance(value, DTensor) else _laid_like(value, p)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         p._local_tensor.copy_(source._local_tensor)
+    _count_writes(Tensor.copy_, (p,))
 
 
 def _deepcopy(t: ZeroDTensor, memo: dict) -> Any:

@@ -270,7 +270,8 @@ class ZeroThree:
         self._in_step = True
         if self.root_unit is not None and self._recording and torch.is_grad_enabled():
             self.forward_order = [self.root_unit]
-        self._gather_root()
+        # the root is gathered when a module holding root parameters runs (its pre-hook): until
+        # then the step's code reads the root's parameters at rest (and their last gradients)
 
     def finish_forward(self, output: Any) -> None:
         """The root's forward ended: keep the root for the backward that follows, or free it."""
@@ -318,6 +319,7 @@ class ZeroThree:
             self._recover()
             unit.state = FORWARD
             unit.gather()
+            unit.mirror_grads(False)  # it computes with them: plain parameters
             cast = _cast_inputs(unit, args, kwargs)
             args, kwargs = cast if cast is not None else (args, kwargs)
             if not torch.is_grad_enabled():
@@ -353,6 +355,8 @@ class ZeroThree:
                 unit.note_forward_values()
             if not needs_backward or self.reshard_after_forward:
                 self._release(unit)
+            if unit.in_use:  # kept gathered until its backward: .grad shows the last gradient
+                unit.mirror_grads(True)
 
         return hook
 
@@ -360,8 +364,11 @@ class ZeroThree:
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
             root = self.root_unit
-            if module is owner and not (root.gathered or root.gather_handle is not None):
-                root.gather()  # a module holding root parameters, called outside the root's forward
+            if module is not owner:
+                return
+            if not (root.gathered or root.gather_handle is not None):
+                root.gather()  # the first module of the step holding root parameters
+            root.mirror_grads(False)  # the module computes with them: plain parameters
 
         return hook
 
@@ -369,8 +376,12 @@ class ZeroThree:
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             root = self.root_unit
-            if module is owner and not self._in_step and not _in_backward() and not _grad_tensors(output):
+            if module is not owner:
+                return
+            if not self._in_step and not _in_backward() and not _grad_tensors(output):
                 self._release(root)  # called outside a step, nothing to differentiate: freed at once
+            elif root.in_use and not _in_backward():
+                root.mirror_grads(True)  # between its modules, .grad shows the last gradient (as DDP)
 
         return hook
 
@@ -507,6 +518,8 @@ class ZeroThree:
             if unit is not self.root_unit or not self._in_step:
                 unit.reshard(force=not unit.held)
             unit.end_backward()
+            if unit.in_use:  # kept gathered (a manual step, gathered()): .grad shows the reduced one
+                unit.mirror_grads(True)
         if self.sync_enabled:
             self._check_unused(missing, used)
 
@@ -556,6 +569,7 @@ class ZeroThree:
         for unit in self.units:
             unit.finish_gather()
             unit.mark_for_write_back()
+            unit.mirror_grads(True)  # .grad shows the last gradient, as the parameter's under DDP
             unit.held = True
         try:
             yield

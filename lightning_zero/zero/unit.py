@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
-from lightning_zero.zero.dtensor import like_param, local_of, sharded_param
+from lightning_zero.zero.dtensor import Writes, like_param, local_of, sharded_param
 from lightning_zero.zero.flat_param import FlatParameter
 
 Slots = list[tuple[nn.Module, str]]  # where a parameter is registered: (module, attribute name)
@@ -133,6 +133,7 @@ class UnitFlat:
         flat.shard = flat.own_chunk(values).to(device=device, dtype=stored, copy=True)  # 1D, S: the values
         del values
         self.flat = flat
+        self.writes = Writes()  # in-place ops on the parameters at rest (see generation)
         self.sharded = [  # at rest: DTensors over this rank's rows of the shard
             sharded_param(
                 flat.local_view(i, flat.shard), mesh, shape, replicated=flat.replicated[i],
@@ -147,6 +148,7 @@ class UnitFlat:
             for o, s in zip(flat.offsets, flat.shapes)
         ]
         for u, p in zip(self.unsharded, self.sharded):
+            p._zero_writes = self.writes
             u._zero_sharded = p  # checkpoints name a parameter by its sharded object
             p._zero_unsharded = u  # a gradient hook on it also goes on its gathered form
         self.full.untyped_storage().resize_(0)  # 1D, N x S: storage allocated only while gathered
@@ -197,10 +199,16 @@ class UnitFlat:
         self.gather_out = self.gather_in = None
         self.gathered = True
 
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever the shard's values change: writes through plain tensors bump its version
+        counter; writes through the parameters at rest (DTensor runs the local op below autograd,
+        where no version counter moves: an optimizer step, ``p.mul_``) are counted by them."""
+        return self.flat.shard._version, self.writes.count
+
     def mark_for_write_back(self) -> None:
         """``gathered()``: values the user writes into the gathered parameters go to the shard when
         the unit is freed, unless the shard changed meanwhile (an optimizer step)."""
-        self.version = self.flat.shard._version
+        self.version = self.generation()
 
     def free(self) -> None:
         """Release the gathered values (writing back what ``gathered()``'s user changed)."""
@@ -214,7 +222,7 @@ class UnitFlat:
     def _write_back(self) -> None:
         """This rank's rows of the gathered parameters into the shard, where they differ from it
         and the shard is as it was when gathered (see :meth:`mark_for_write_back`)."""
-        if self.flat.shard._version != self.version:
+        if self.generation() != self.version:
             return
         flat = self.flat
         with torch.no_grad():
@@ -411,14 +419,14 @@ class ShardedUnit:
     def note_forward_values(self) -> None:
         """A forward with gradients ran: its backward must see the same values (see
         :meth:`check_forward_values`)."""
-        self.forward_versions = [f.flat.shard._version for f in self.flats]
+        self.forward_versions = [f.generation() for f in self.flats]
 
     def check_forward_values(self) -> None:
         """Its backward begins: the parameters must be as its forward saw them. A change made in
         place at rest in between (a hook scaling weights, an optimizer step) would make backward
         gather the new values: refused, as autograd refuses a saved tensor changed in place."""
         versions, self.forward_versions = self.forward_versions, None
-        if versions is None or versions == [f.flat.shard._version for f in self.flats]:
+        if versions is None or versions == [f.generation() for f in self.flats]:
             return
         names = ", ".join(n for f in self.flats for n in f.names[:4])
         raise RuntimeError(
@@ -453,7 +461,8 @@ class ShardedUnit:
                 for module, attr in where:
                     module._parameters[attr] = p
         self.in_use = not sharded
-        self.mirror_grads(not sharded)
+        if sharded:
+            self.mirror_grads(False)
 
     def mirror_grads(self, on: bool) -> None:
         """While the modules hold the gathered parameters outside the unit's backward, those whose

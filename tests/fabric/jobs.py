@@ -25,6 +25,7 @@ from lightning.pytorch import Callback, Trainer
 import lightning_zero  # noqa: F401  (registers zero0..zero3 for the Trainer and for Fabric)
 from lightning_zero import ZeroStrategy as TrainerZeroStrategy
 from lightning_zero.fabric import ZeroFabricStrategy as ZeroStrategy
+from lightning_zero.zero.dtensor import local_of
 from tests.matrix.lit import BATCH, MICRO_BATCHES, WORLD, Case, MatrixModule, Tokens
 
 BLOCK = "tests.matrix.lit.Block"
@@ -142,9 +143,10 @@ def _clip(fabric: L.Fabric, model: Any, optimizer: Any, clip: tuple[str, float] 
 
 
 def full_params(fabric: L.Fabric, model: Any) -> dict[str, torch.Tensor]:
-    """The whole parameters, fp32 copies (this package's strategies gather stage 3's shards)."""
+    """The whole parameters, fp32 copies, on every rank (this package's strategies gather stage 3's
+    shards)."""
     if isinstance(fabric.strategy, ZeroStrategy):
-        state = fabric.strategy.get_module_state_dict(model)
+        state = fabric.strategy.full_state_dict(rank0_only=False)
     else:
         state = model.state_dict()
     return {k: v.detach().float().clone() for k, v in state.items()}
@@ -391,3 +393,49 @@ def fp16(stage: int, path: str, root: str) -> dict[str, Any]:
         "skipped": scaler.skipped_steps,
         "params": full_params(fabric, model),
     }
+
+
+# -- clipping and the model's state dict ------------------------------------------------------------
+
+
+@_guard
+def clip_nonfinite(stage: int, root: str) -> dict[str, Any]:
+    """A NaN put into one gradient on rank 0 before the reduction: ``clip_gradients`` raises on the
+    non-finite norm, and the gradients the optimizer would step are as they were before the call."""
+    fabric = make_fabric(stage)
+    model, optimizer = set_up(fabric, Loop())
+    weight = model.net.blocks[1].fc1.weight
+    weight.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([0]), float("nan")) if fabric.global_rank == 0 else g
+    )
+    tokens, targets = batch(0, fabric.global_rank)
+    fabric.backward(model(tokens, targets))
+    stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    before = [local_of(p.grad).clone() for p in stepped]
+    try:
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    after = [local_of(p.grad) for p in stepped]
+    kept = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(before, after))
+    optimizer.zero_grad()
+    return {"raised": raised, "kept": kept, "nan_held": any(b.isnan().any().item() for b in before)}
+
+
+@_guard
+def module_state_dict(stage: int, root: str) -> dict[str, Any]:
+    """``fabric.strategy.get_module_state_dict``: rank 0 gets the whole model, one flat space gathered
+    at a time (the ledger's gathers: one per space, each of that space's size); the others ``{}``."""
+    fabric = make_fabric(stage)
+    model, optimizer = set_up(fabric, Loop())
+    train(fabric, model, optimizer, Loop(), range(2), Counter())
+    ledger = fabric.strategy.ledger
+    before = ledger.recorded
+    state = fabric.strategy.get_module_state_dict(model)
+    gathers = [(r.op, r.payload_bytes) for r in ledger.records_since(before)]
+    engine = fabric.strategy.engine
+    spaces = [s.padded_numel * s.shard.element_size() for s in engine.param_spaces()]
+    whole = fabric.strategy.full_state_dict(rank0_only=False)
+    same = bool(state) and all(torch.equal(state[k], whole[k]) for k in whole)
+    return {"gathers": gathers, "spaces": spaces, "keys": len(state), "same": same}

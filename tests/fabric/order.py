@@ -177,7 +177,7 @@ def train(fabric: L.Fabric, run: Run, model: Any, optimizer: Any, steps: range) 
 def whole(fabric: L.Fabric, model: Any) -> dict[str, torch.Tensor]:
     """The model's state dict, fp32 copies (this package's strategies gather stage 3's shards)."""
     if isinstance(fabric.strategy, ZeroStrategy):
-        state = fabric.strategy.get_module_state_dict(model)
+        state = fabric.strategy.full_state_dict(rank0_only=False)
     else:
         state = model.state_dict()
     return {k: v.detach().float().clone() for k, v in state.items()}

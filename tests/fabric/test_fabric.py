@@ -120,6 +120,9 @@ def _jobs(root: Path) -> dict[tuple, object]:
         )
     out[("surface",)] = jobs.surface
     out[("misuse",)] = jobs.misuse
+    for stage in (1, 2, 3):
+        out[("clip_nonfinite", stage)] = functools.partial(jobs.clip_nonfinite, stage)
+    out[("module_state_dict", 3)] = functools.partial(jobs.module_state_dict, 3)
     return out
 
 
@@ -299,3 +302,23 @@ def test_unsupported_uses_say_what_to_do(runs):
     }
     for what, start in expected.items():
         assert out[what].startswith(start), f"{what}: {out[what]}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_that_raises_leaves_the_gradients_as_they_were(runs, stage):
+    """torch's clip_grad_norm_ raises on a non-finite norm before it touches a gradient; so does
+    clip_gradients at the sharded stages (a program that catches the error and skips the step keeps
+    usable gradients; before, every shard was multiplied by NaN first)."""
+    for result in _ok(runs, ("clip_nonfinite", stage)):
+        assert result["raised"] is not None and "non-finite" in result["raised"]
+        assert result["kept"], result
+    assert any(r["nan_held"] for r in runs[("clip_nonfinite", stage)])  # the NaN is in some rank's shard
+
+
+def test_module_state_dict_gathers_one_unit_at_a_time_to_rank_0(runs):
+    rank0, rank1 = _ok(runs, ("module_state_dict", 3))
+    assert rank0["same"] and rank0["keys"] > 0
+    assert rank1["keys"] == 0  # as Lightning's FSDP: the whole model in rank 0's memory only
+    for result in (rank0, rank1):
+        assert [op for op, _ in result["gathers"]] == ["gather"] * len(result["spaces"])
+        assert [nbytes for _, nbytes in result["gathers"]] == result["spaces"]  # never the whole model

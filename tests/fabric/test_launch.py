@@ -38,7 +38,7 @@ SPAWNED = textwrap.dedent(
             fabric.clip_gradients(model, optimizer, max_norm=0.5)
             optimizer.step()
             optimizer.zero_grad()
-        state = fabric.strategy.get_module_state_dict(model) if hasattr(fabric.strategy, "engine") else model.state_dict()
+        state = fabric.strategy.full_state_dict(rank0_only=False) if hasattr(fabric.strategy, "engine") else model.state_dict()
         return {k: v.tolist() for k, v in state.items()}  # plain lists: tensors would be shared memory of an ended worker
 
 

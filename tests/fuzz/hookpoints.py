@@ -58,7 +58,8 @@ TRAINER_POSITIONS = (
     "on_save_checkpoint",
     "on_load_checkpoint",
 )
-FABRIC_POSITIONS = ("before_forward", "after_forward", "after_backward", "after_step")
+# a Fabric loop, and training_step under manual optimization (manual_backward, then the step)
+LOOP_POSITIONS = ("before_forward", "after_forward", "after_backward", "after_step")
 LOSS_POSITIONS = {"step_before_forward", "step_after_forward", "before_forward", "after_forward"}
 OPERATIONS = (
     "norm",  # the sum of every parameter's norm
@@ -75,7 +76,7 @@ OPERATIONS = (
 
 
 class HookProgram(NamedTuple):
-    glue: str = "trainer"  # trainer | fabric
+    glue: str = "trainer"  # trainer | manual (the Trainer, manual optimization) | fabric
     stage: int = 3  # 1 | 2 | 3
     position: str = "on_before_optimizer_step"
     operation: str = "norm"
@@ -104,8 +105,8 @@ class Outcome(NamedTuple):
 
 def draw(rng: random.Random, *, hybrid: bool = False) -> HookProgram:
     """One program, uniformly over the valid combinations (a penalty needs a loss to add to)."""
-    glue = rng.choice(("trainer", "trainer", "fabric"))
-    positions = TRAINER_POSITIONS if glue == "trainer" else FABRIC_POSITIONS
+    glue = rng.choice(("trainer", "trainer", "manual", "fabric"))
+    positions = TRAINER_POSITIONS if glue == "trainer" else LOOP_POSITIONS
     position = rng.choice(positions)
     operations = [op for op in OPERATIONS if op != "penalty" or position in LOSS_POSITIONS]
     operation = rng.choice(operations)
@@ -207,6 +208,7 @@ class HookModule(LightningModule):
         self.program = program
         self.operator = operator
         self.net = Net(Case())
+        self.automatic_optimization = program.glue != "manual"
 
     def _at(self, position: str) -> torch.Tensor | None:
         if self.program.position == position:
@@ -214,6 +216,8 @@ class HookModule(LightningModule):
         return None
 
     def training_step(self, batch, batch_idx):
+        if self.program.glue == "manual":
+            return self._manual_step(batch)
         penalty = self._at("step_before_forward")
         loss = self.net(*batch)
         after = self._at("step_after_forward")
@@ -221,6 +225,22 @@ class HookModule(LightningModule):
             if extra is not None:
                 loss = loss + extra
         return loss
+
+    def _manual_step(self, batch):
+        """Manual optimization, as people write it: forward, manual_backward, step, zero_grad."""
+        optimizer = self.optimizers()
+        penalty = self._at("before_forward")
+        loss = self.net(*batch)
+        after = self._at("after_forward")
+        for extra in (penalty, after):
+            if extra is not None:
+                loss = loss + extra
+        self.manual_backward(loss)
+        self._at("after_backward")
+        optimizer.step()
+        self._at("after_step")
+        optimizer.zero_grad()
+        return loss.detach()
 
     def validation_step(self, batch, batch_idx):
         return self.net(*batch)
@@ -386,7 +406,7 @@ def _fabric_at(program: HookProgram, position: str, operator: Operator, module: 
 
 
 def _jobs(program: HookProgram) -> list[tuple[tuple, Any]]:
-    fit = fit_trainer if program.glue == "trainer" else fit_fabric
+    fit = fit_fabric if program.glue == "fabric" else fit_trainer
     jobs = [
         ((program, "zero"), functools.partial(fit, program, "zero", program.precision)),
         ((program, "ddp"), functools.partial(fit, program, "ddp", program.precision)),

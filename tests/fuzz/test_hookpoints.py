@@ -46,6 +46,10 @@ REGRESSIONS = {
     "teacher_forward_in_step": HookProgram("trainer", 3, "step_after_forward", "nograd_model"),
     "state_dict_at_rest": HookProgram("trainer", 3, "on_train_batch_end", "state_dict"),
     "ema_through_checkpoint_resume": HookProgram("trainer", 3, "on_load_checkpoint", "ema"),
+    # manual optimization: the root stays gathered after manual_backward; its .grad hid the reduced
+    # gradient, so scaling every .grad missed the root's
+    "manual_step_scales_root_grads": HookProgram("manual", 3, "after_backward", "scale_grad"),
+    "manual_step_reads_grads": HookProgram("manual", 2, "after_backward", "read_grad"),
 }
 DEFAULT_SAMPLE = 60  # programs drawn with seed 0 in the default suite
 
