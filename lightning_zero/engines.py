@@ -200,7 +200,7 @@ class Engine:
         writes the module's parameters between steps (an EMA callback copying its average in at the
         end of training, ``p.data.copy_(...)``) changes only the copies: before the masters are
         read (a checkpoint, the end of fit), the masters of changed parameters take the new values.
-        Stage 3 does the same for parameters used at rest ([Note: gathered at rest])."""
+        Stage 3 has nothing to take back: its parameters at rest are the masters (``zero/dtensor.py``)."""
         if not self.masters or self.finished:
             return
         with torch.no_grad():

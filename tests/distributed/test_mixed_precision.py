@@ -30,6 +30,7 @@ def _train(
     reduce_dtype: str | None = None,
     micro: int = 1,
     synced: bool = False,
+    unsharded: bool = False,
 ) -> dict:
     """``steps`` optimizer steps of ``micro`` micro-batches each (the first ones under no_sync, or,
     ``synced``, every one a synchronised backward: several backward passes before one step)."""
@@ -40,6 +41,8 @@ def _train(
         torch.optim.SGD(model.parameters(), lr=0.1) if sgd else torch.optim.Adam(model.parameters(), lr=1e-2)
     )
     options = {"wrap_policy": BLOCK} if stage == 3 else {}
+    if unsharded and stage >= 2:
+        options["accumulate_unsharded"] = True
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **options)
     engine = make_engine(config, comm, resolve_policy(None, reduce_dtype, precision))
     wrapped = engine.setup(model, [optimizer])
@@ -71,14 +74,24 @@ def _train(
 
 
 def _all(
-    rank: int, world: int, precision: str, sgd: bool = False, reduce_dtype=None, micro: int = 1, synced=False
+    rank: int,
+    world: int,
+    precision: str,
+    sgd: bool = False,
+    reduce_dtype=None,
+    micro: int = 1,
+    synced=False,
+    unsharded=False,
+    stages=(0, 1, 2, 3),
 ) -> dict:
-    return {
-        stage: _train(
-            rank, world, stage, precision, sgd=sgd, reduce_dtype=reduce_dtype, micro=micro, synced=synced
-        )
-        for stage in (0, 1, 2, 3)
+    options = {
+        "sgd": sgd,
+        "reduce_dtype": reduce_dtype,
+        "micro": micro,
+        "synced": synced,
+        "unsharded": unsharded,
     }
+    return {stage: _train(rank, world, stage, precision, **options) for stage in stages}
 
 
 PSI = sum(p.numel() for p in models.build_stack(0).parameters())
@@ -209,3 +222,14 @@ def test_fp32_reduce_memory(tmp_path):
     assert r[2]["between"].gradients == 0 and r[3]["between"].gradients == 0
     for stage in (2, 3):
         assert 4 * PSI / 2 <= r[stage]["grads_during_step"] <= 4 * PSI / 2 + 2 * pad
+
+
+def test_unsharded_accumulation_sums_in_the_reduce_dtype(tmp_path):
+    """Stages 2-3 with accumulate_unsharded, bf16 parameters, reduce_dtype fp32, two micro-batches
+    per step (the first under no_sync): the micro-batches' bf16 gradients are summed in fp32 (stage
+    3 keeps them in an fp32 buffer per parameter, as FSDP2 does), so both stages equal the
+    reference that sums in fp32; summed in bf16 they would not."""
+    r = run_ranks(_all, 2, tmp_path, "bf16-mixed", True, "fp32", 2, False, True, (2, 3))[0]
+    reference = _reference(2, steps=3, micro=2)
+    for stage in (2, 3):
+        assert max_diff(r[stage]["state"], reference) <= 1e-6, stage
