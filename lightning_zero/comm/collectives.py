@@ -82,6 +82,7 @@ from lightning_zero.comm.inplace import (
     copies_in_backend,
 )
 from lightning_zero.comm.ledger import CommLedger
+from lightning_zero.comm.lent import LENT, lend
 from lightning_zero.comm.timing import CUDA_EVENTS, StreamInterval, timing_for
 from lightning_zero.comm.tracker import CollectiveTracker, Issued, RankState
 
@@ -161,12 +162,14 @@ class Handle:
         op: str | None = None,
         issued: Issued | None = None,
         device: torch.device | None = None,
+        lent: tuple[Tensor, ...] = (),
     ) -> None:
         self._work = work  # torch Work object, None when the collective was a no-op
         self._comm = comm  # waits for it, explains its failure
         self._op = op  # the ledger's key for the blocked time; None: a control collective
         self._issued = issued  # its sequence number, op, name and bytes
         self._device = device  # where its tensors live: decides how the wait is timed
+        self._lent = lent  # the aliases it was launched with (see [Note: tensors lent to the backend])
 
     def wait(self) -> None:
         if self._work is None:
@@ -181,9 +184,12 @@ class Handle:
             start = time.perf_counter()
             self._comm.wait_for(self._work, self._issued)
             self._comm.ledger.add_wait(self._op, time.perf_counter() - start)
+        lent = self._lent
         if isinstance(self._work, Works):  # a collective done in place: its output filled in now
             self._work.finish()
-        self._work = None
+            lent = self._work.lent
+        self._work, self._lent = None, ()
+        LENT.give_back(lent)
 
     @property
     def done(self) -> bool:
@@ -200,10 +206,12 @@ def _destroy_at_exit() -> None:
 
     A gloo group left alive at exit can abort the process ("terminate called without an active
     exception") while its worker threads are destroyed; Lightning only registers this clean-up for
-    NCCL. Registered once, by the first Communicator.
+    NCCL. First the backend gives back what it holds (see [Note: tensors lent to the backend] in
+    lent.py). Registered once, by the first Communicator.
     """
 
     def destroy() -> None:
+        LENT.drain()  # see [Note: tensors lent to the backend] in lent.py
         if not is_distributed():
             return
         failed = _FAILED["comm"]
@@ -361,6 +369,7 @@ class Communicator:
         *,
         device: torch.device | None = None,
         control: bool = False,
+        lent: tuple[Tensor, ...] = (),
     ) -> Handle:
         if not self.active:
             return Handle()
@@ -374,7 +383,7 @@ class Communicator:
         with torch.profiler.record_function(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
-        return Handle(work, self, None if control else op, issued, device)
+        return Handle(work, self, None if control else op, issued, device, lent)
 
     def _check_can_issue(self, name: str) -> None:
         if self.failure is not None:
@@ -617,8 +626,9 @@ class Communicator:
         """Reduce ``tensor`` in place across ranks: ``op`` is "sum" (the default), "max" or "min"."""
         nbytes = tensor.numel() * tensor.element_size()
         reduce_op = _REDUCE_OPS[op]
-        launch = lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)  # noqa: E731
-        handle = self._issue("all_reduce", name, nbytes, launch, device=tensor.device)
+        lent = lend(tensor)
+        launch = lambda: dist.all_reduce(lent, op=reduce_op, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("all_reduce", name, nbytes, launch, device=tensor.device, lent=(lent,))
         if not async_op:
             handle.wait()
         return handle
@@ -626,8 +636,10 @@ class Communicator:
     def probe_all_reduce(self, tensor: Tensor, *, name: str) -> None:
         """A synchronous all-reduce counted apart from the ZeRO traffic, as a control collective (the
         link probes of ``shard_size="auto"``, comm/mesh.py)."""
-        launch = lambda: dist.all_reduce(tensor, group=self.group, async_op=True)  # noqa: E731
-        self._issue("all_reduce", name, tensor.numel() * tensor.element_size(), launch, control=True).wait()
+        lent = lend(tensor)
+        launch = lambda: dist.all_reduce(lent, group=self.group, async_op=True)  # noqa: E731
+        nbytes = tensor.numel() * tensor.element_size()
+        self._issue("all_reduce", name, nbytes, launch, control=True, lent=(lent,)).wait()
 
     def reduce_scatter(
         self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True, scratch_input: bool = False
@@ -639,9 +651,11 @@ class Communicator:
         if scratch_input and input.is_contiguous() and self.active and copies_in_backend(input, self.group):
             where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
             launch = lambda: all_reduce_for_scatter(output, input, **where)  # noqa: E731
+            lent = ()  # the in-place work holds its own
         else:
-            launch = lambda: _REDUCE_SCATTER(output, input, group=self.group, async_op=True)  # noqa: E731
-        handle = self._issue("reduce_scatter", name, nbytes, launch, device=input.device)
+            lent = (lend(output), lend(input))
+            launch = lambda: _REDUCE_SCATTER(*lent, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("reduce_scatter", name, nbytes, launch, device=input.device, lent=lent)
         if not self.active:
             output.copy_(input)
         if not async_op:
@@ -655,9 +669,11 @@ class Communicator:
         if output.is_contiguous() and self.active and copies_in_backend(output, self.group):
             where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
             launch = lambda: all_gather_by_broadcasts(output, input, **where)  # noqa: E731
+            lent = ()  # the in-place work holds its own
         else:
-            launch = lambda: _ALL_GATHER(output, input, group=self.group, async_op=True)  # noqa: E731
-        handle = self._issue("all_gather", name, nbytes, launch, device=output.device)
+            lent = (lend(output), lend(input))
+            launch = lambda: _ALL_GATHER(*lent, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue("all_gather", name, nbytes, launch, device=output.device, lent=lent)
         if not self.active:
             output.copy_(input)
         if not async_op:
@@ -668,13 +684,15 @@ class Communicator:
         """Overwrite ``tensor`` on every rank with rank ``src``'s value (synchronous)."""
         nbytes = tensor.numel() * tensor.element_size()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        lent = lend(tensor)
         self._issue(
             "broadcast",
             name,
             nbytes,
-            lambda: dist.broadcast(tensor, src_global, group=self.group, async_op=True),
+            lambda: dist.broadcast(lent, src_global, group=self.group, async_op=True),
             device=tensor.device,
             control=control,
+            lent=(lent,),
         ).wait()
 
     def broadcast_tensors(self, tensors: Sequence[Tensor], *, src: int = 0, name: str) -> None:
@@ -721,7 +739,8 @@ class Communicator:
         table = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         table[self.rank] = flags
         launch = lambda: dist.all_reduce(table, group=self.group, async_op=True)  # noqa: E731
-        self._issue("agree", name, table.numel() * table.element_size(), launch, control=True).wait()
+        nbytes = table.numel() * table.element_size()
+        self._issue("agree", name, nbytes, launch, control=True, lent=(table,)).wait()
         return table.tolist()
 
     def all_gather_object(self, obj: Any, *, name: str) -> list[Any]:
@@ -746,7 +765,14 @@ class Communicator:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _issue_unmodelled(
-        self, op: str, name: str, payload_bytes: int, wire: float, launch: Any, device: torch.device | None
+        self,
+        op: str,
+        name: str,
+        payload_bytes: int,
+        wire: float,
+        launch: Any,
+        device: torch.device | None,
+        lent: tuple[Tensor, ...] = (),
     ) -> Handle:
         """An op outside the ledger's ring model (gather, barrier), recorded with its own wire bytes;
         ``device``: where its tensors live (None: none, a barrier), which decides how its wait is timed."""
@@ -757,7 +783,7 @@ class Communicator:
         with torch.profiler.record_function(name):
             work = launch()
         self.tracker.launched(issued, work)
-        return Handle(work, self, op, issued, device)
+        return Handle(work, self, op, issued, device, lent)
 
     def gather(self, output: Tensor | None, input: Tensor, *, dst: int = 0, name: str) -> None:
         """Every rank's ``input`` (1D, one shard) concatenated into ``output`` (1D, N x shard) on rank
@@ -769,11 +795,18 @@ class Communicator:
             output.copy_(input)
             return
         nbytes = input.numel() * input.element_size()
-        chunks = list(output.chunk(self.world_size)) if self.rank == dst else None
+        chunks = [lend(c) for c in output.chunk(self.world_size)] if self.rank == dst else None
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        launch = lambda: dist.gather(input, chunks, dst=dst_global, group=self.group, async_op=True)  # noqa: E731
+        lent = lend(input)
+        launch = lambda: dist.gather(lent, chunks, dst=dst_global, group=self.group, async_op=True)  # noqa: E731
         self._issue_unmodelled(
-            "gather", name, nbytes * self.world_size, float(nbytes), launch, input.device
+            "gather",
+            name,
+            nbytes * self.world_size,
+            float(nbytes),
+            launch,
+            input.device,
+            (lent, *(chunks or ())),
         ).wait()
 
     def barrier(self, *, name: str, control: bool = False) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.lent import lend
+
 
 def copies_in_backend(tensor: Tensor, group: Any | None) -> bool:
     """Whether ``group`` runs collectives on ``tensor`` with gloo (CPU tensors), whose reduce-scatter
@@ -50,9 +52,10 @@ def same_tensor(a: Tensor, b: Tensor) -> bool:
 def all_reduce_for_scatter(output: Tensor, input: Tensor, *, rank: int, world_size: int, group: Any) -> Any:
     """Launch the all-reduce in ``input`` that stands for a reduce-scatter into ``output``; the
     returned work's :meth:`then` copies chunk ``rank`` into ``output`` after the wait."""
-    work = dist.all_reduce(input, group=group, async_op=True)
+    lent = lend(input)
+    work = dist.all_reduce(lent, group=group, async_op=True)
     own = chunk_of(input, rank, world_size)
-    return Works([work], then=None if same_tensor(own, output) else (output, own))
+    return Works([work], then=None if same_tensor(own, output) else (output, own), lent=(lent,))
 
 
 def all_gather_by_broadcasts(output: Tensor, input: Tensor, *, rank: int, world_size: int, group: Any) -> Any:
@@ -60,21 +63,30 @@ def all_gather_by_broadcasts(output: Tensor, input: Tensor, *, rank: int, world_
     own = chunk_of(output, rank, world_size)
     if not same_tensor(own, input):
         own.copy_(input.reshape(-1))
-    works = []
+    works, chunks = [], []
     for owner in range(world_size):
         src = dist.get_global_rank(group, owner) if group is not None else owner
-        works.append(dist.broadcast(chunk_of(output, owner, world_size), src, group=group, async_op=True))
-    return Works(works)
+        chunks.append(lend(chunk_of(output, owner, world_size)))
+        works.append(dist.broadcast(chunks[-1], src, group=group, async_op=True))
+    return Works(works, lent=tuple(chunks))
 
 
 class Works:
     """torch Works waited as one collective: ``wait`` (with a slice timeout, as gloo's) waits for
     each in turn, ``is_completed`` when all are; ``then`` is a (destination, source) copy that
-    :meth:`finish` makes after the last wait returned."""
+    :meth:`finish` makes after the last wait returned; ``lent``: the tensors the works were launched
+    with (see [Note: tensors lent to the backend] in lent.py)."""
 
-    def __init__(self, works: Sequence[Any], *, then: tuple[Tensor, Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any],
+        *,
+        then: tuple[Tensor, Tensor] | None = None,
+        lent: tuple[Tensor, ...] = (),
+    ) -> None:
         self.works = list(works)  # the torch Works, in launch order
         self.then = then  # (output, chunk of the input) to copy once complete; None: nothing
+        self.lent = lent  # the private aliases the backend holds until it drops the works
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for work in self.works:

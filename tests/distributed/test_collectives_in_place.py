@@ -3,10 +3,14 @@ lightning_zero/comm/inplace.py): the same bits as torch's collectives, and no fu
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from lightning_zero.comm import Communicator
+from lightning_zero.comm.lent import LENT
 from tests.bigmodel.lit import peak_rss_mb, release_free_heap, reset_peak, rss_mb
 from tests.distributed.harness import run_ranks
 
@@ -85,3 +89,39 @@ def test_in_place_collectives_hold_no_full_size_copy(tmp_path):
     # torch's reduce_scatter_tensor and all_gather_into_tensor on gloo rise by the whole 64 MiB
     for rises in run_ranks(_transients, 2, tmp_path):
         assert all(rise < 8 for rise in rises.values()), rises
+
+
+def _where_temporaries_die(rank: int, world: int) -> dict[str, int]:
+    """Collectives on temporaries dropped as soon as the wait returns (a table, a scratch buffer):
+    on which threads their Python objects died (see [Note: tensors lent to the backend])."""
+    comm = Communicator()
+    main, threads = threading.get_ident(), {"main": 0, "other": 0}
+
+    def died(_ref: weakref.ref) -> None:
+        threads["main" if threading.get_ident() == main else "other"] += 1
+
+    refs = []
+    for i in range(150):
+        numel = world * (4 + i % 7)
+        t, out, flat, full = (
+            torch.ones(numel),
+            torch.empty(numel // world),
+            torch.ones(numel),
+            torch.zeros(numel),
+        )
+        refs += [weakref.ref(x, died) for x in (t, out, flat, full)]
+        comm.all_reduce(t, name="temp/all_reduce").wait()
+        comm.reduce_scatter(out, flat, name="temp/reduce_scatter", scratch_input=i % 2 == 0).wait()
+        comm.all_gather(full, out, name="temp/all_gather").wait()
+        comm.broadcast(out, name="temp/broadcast")
+        del t, out, flat, full
+    LENT.drain()
+    return threads
+
+
+def test_temporaries_lent_to_the_backend_die_on_the_waiting_thread(tmp_path):
+    """Every tensor object the package hands to gloo is its own alias, kept until gloo lets go of
+    it: a caller's temporary is never destroyed by gloo's worker thread, which could not take the
+    GIL once the interpreter finalizes (the exit-time SIGABRT)."""
+    for threads in run_ranks(_where_temporaries_die, 2, tmp_path):
+        assert threads == {"main": 600, "other": 0}, threads
