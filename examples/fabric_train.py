@@ -10,7 +10,7 @@ The loop is the one a Fabric user writes: ``fabric.setup``, gradient accumulatio
 LR-scheduler steps, a loss line every ``--log-every`` steps, the validation loss at the end and a
 checkpoint (``fabric.save``) that ``--resume`` continues. The model is the Hydra app's
 ``GPTLightning`` (examples/gpt.py), so the checkpoint has the Trainer's parameter names: the app's
-checkpoints resume here and this script's resume in a Trainer (README, "Lightning Fabric").
+checkpoints resume here and this script's resume in a Trainer (docs/fabric.md).
 """
 
 from __future__ import annotations

@@ -118,7 +118,9 @@ def main(cfg: DictConfig) -> float:
     callbacks = [ValLossReport(), ValidateAtLastStep()]
     if cfg.monitor:  # traffic, exposed communication, memory and step times per step (docs/monitoring.md)
         callbacks.append(ZeroMonitor())
-    if cfg.profile_steps > 0:  # torch.profiler trace of a few steps, one JSON per rank (README: Profiling)
+    if (
+        cfg.profile_steps > 0
+    ):  # torch.profiler trace of a few steps, one JSON per rank (README: Seeing what a step costs)
         callbacks.append(ProfileSteps(HydraConfig.get().runtime.output_dir, steps=cfg.profile_steps))
     callbacks.extend(instantiate(spec) for spec in cfg.callbacks.values())  # +callbacks.NAME._target_=...
     if trainer_cfg.get("enable_checkpointing"):  # docs/checkpoints.md

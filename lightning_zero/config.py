@@ -52,10 +52,10 @@ class ZeroConfig:
             them again for backward (3Ψ traffic). False keeps them from forward to backward
             (2Ψ traffic, the gathered model held through the step).
         param_dtype: mixed precision: the dtype the module computes in and reduces gradients in,
-            with fp32 master weights held by the optimizer (see README "Mixed precision").
+            with fp32 master weights held by the optimizer (see docs/mixed-precision.md).
             None follows Lightning's ``precision`` flag ("bf16-mixed" -> "bf16", "16-mixed" ->
             "fp16"; "32-true" -> fp32, no master copy). "fp16" adds dynamic loss scaling whose
-            overflow check all ranks agree on (README "Mixed precision").
+            overflow check all ranks agree on (docs/mixed-precision.md).
         reduce_dtype: dtype of gradients on the wire and of their accumulation across
             micro-batches; None: param_dtype. "fp32" under bf16/fp16 parameters sums in fp32
             (twice the bytes on the wire; stages 0-1 hold fp32 gradient buckets).

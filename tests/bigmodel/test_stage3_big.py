@@ -3,7 +3,7 @@ parameters sharded, gradient buffers bounded in backward, the module left sharde
 the peak memory of every phase of a run against 16Ψ/N.
 
 The phase test runs a 38M-parameter model in the default suite; ``-m slow`` runs the 200M one of
-benchmarks/bench_big_model.py (see the README's "Models that do not fit one rank").
+benchmarks/bench_big_model.py (see docs/big-models.md).
 """
 
 from __future__ import annotations

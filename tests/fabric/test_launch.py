@@ -1,7 +1,7 @@
 """``fabric.launch()`` with Fabric's launchers and under torchrun (slow: fresh processes each).
 
 The default suite launches with Fabric's subprocess launcher (``zeroK``, re-running the script)
-through the README's Fabric program and the example's command (tests/docs); here the other ways.
+through docs/fabric.md's program and the example's command (tests/docs); here the other ways.
 """
 
 from __future__ import annotations

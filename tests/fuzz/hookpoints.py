@@ -481,7 +481,7 @@ def _bf16_saved_weights(program: HookProgram, ranks: list[Outcome]) -> bool:
     """bf16-mixed, weights scaled in place between forward and backward: under the package's policy
     the bf16 parameters are what autograd saved, so every rank refuses the change (autograd's
     message), where ddp's autocast saved bf16 copies of fp32 weights and went on. Loud on every
-    rank, as the README says of mixed precision; never a silent difference."""
+    rank, as docs/mixed-precision.md says; never a silent difference."""
     between = program.position in ("step_after_forward", "on_before_backward", "on_before_zero_grad")
     if program.precision == "32-true" or program.operation != "scale_weight" or not between:
         return False

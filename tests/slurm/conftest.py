@@ -29,7 +29,7 @@ SLURM_MODE = os.environ.get("LZ_SLURM", "")  # "", "1" or "install"
 OPT_IN = (
     "needs a SLURM cluster on this host, which the suite starts only when asked: LZ_SLURM=1 make test "
     "(root, slurm-wlm and munge installed) or LZ_SLURM=install make test (also installs them with "
-    "apt-get); see README, Tests"
+    "apt-get); see docs/testing.md"
 )
 
 
