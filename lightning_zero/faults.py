@@ -24,8 +24,14 @@ import logging
 import time
 
 from lightning_zero.comm import Communicator
-from lightning_zero.comm.collectives import CollectivesStopped, looks_like_comm_error
-from lightning_zero.comm.faults import Fault, PeerFailure, StoreUnreachable, describe_error
+from lightning_zero.comm.faults import (
+    CollectivesStopped,
+    Fault,
+    PeerFailure,
+    StoreUnreachable,
+    describe_error,
+    looks_like_comm_error,
+)
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
+
 from lightning_zero.comm.tracker import Issued, RankState
 
 PREFIX = "lightning_zero"  # of every key this package writes into the store
@@ -63,6 +65,10 @@ class Fault(NamedTuple):
     def describe(self) -> str:
         at = f" at step {self.step}" if self.step is not None else ""
         return f"rank {self.rank} ({self.host}, pid {self.pid}) failed{at}: {self.error}"
+
+
+class CollectivesStopped(RuntimeError):
+    """A collective asked for after this rank failed, or while the ranks are out of step."""
 
 
 class PeerFailure(RuntimeError):
@@ -374,7 +380,7 @@ def store_lost_message(ranks: Sequence[RankInfo], me: int, where: str, err: Base
 
 def leave_without_destroying(status: int = 1) -> None:
     """End the process now, logs flushed, without tearing the process group down (see [Note:
-    waiting without hanging] in ``collectives.py``: gloo would wait for collectives that never end)."""
+    waiting without hanging] in ``waiting.py``: gloo would wait for collectives that never end)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -382,3 +388,27 @@ def leave_without_destroying(status: int = 1) -> None:
         except Exception:  # a closed stream: nothing left to lose
             pass
     os._exit(status)
+
+
+_COMM_ERROR_WORDS = (  # what backends say when a peer is gone or a collective broke
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "nccl",
+    "gloo",
+    "distbackenderror",
+    "distnetworkerror",
+)
+
+
+def looks_like_comm_error(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it wraps) is a backend's report of a broken collective."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = f"{type(err).__name__} {err}".lower()
+        if isinstance(err, dist.DistError) or any(word in text for word in _COMM_ERROR_WORDS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

@@ -37,7 +37,7 @@ waits on gloo the waiting thread raises first, with the same message.
 
 With ``watchdog_s=None`` the same thread only beats: once a second it increments this rank's
 heartbeat in the store, which a rank blocked in a collective reads to tell a dead peer on another
-host from a slow one ([Note: waiting without hanging] in ``collectives.py``). One store write per
+host from a slow one ([Note: waiting without hanging] in ``waiting.py``). One store write per
 second per rank.
 """
 

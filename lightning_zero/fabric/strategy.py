@@ -64,9 +64,9 @@ from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator
-from lightning_zero.comm.collectives import POLL_S
 from lightning_zero.comm.faults import StoreUnreachable, process_exists
 from lightning_zero.comm.mesh import sharding_comm
+from lightning_zero.comm.waiting import POLL_S
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine

@@ -33,7 +33,7 @@ def _entry(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_d
 def leave_after_expected_failures() -> None:
     """A test function that returned normally but let a fit fail on purpose (and caught the error):
     the package then ends the process with status 1 at exit, without destroying the group (see
-    [Note: waiting without hanging] in lightning_zero/comm/collectives.py). The result is saved and
+    [Note: waiting without hanging] in lightning_zero/comm/waiting.py). The result is saved and
     is what the test checks: leave with status 0, the same way."""
     if _FAILED["comm"] is not None:
         leave_without_destroying(status=0)

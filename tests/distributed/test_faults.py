@@ -149,7 +149,7 @@ def test_report_verdicts():
     "text", ["Connection closed by peer [127.0.0.1]:9364", "NCCL error: remote process exited"]
 )
 def test_backend_errors_are_recognised(text):
-    from lightning_zero.comm.collectives import looks_like_comm_error
+    from lightning_zero.comm.faults import looks_like_comm_error
 
     assert looks_like_comm_error(RuntimeError(text))
     wrapped = ValueError("while saving")

@@ -137,7 +137,7 @@ class FakeComm:
 
 
 def test_a_handle_times_cpu_waits_with_the_clock_and_cuda_waits_on_the_stream(monkeypatch):
-    from lightning_zero.comm import Handle, collectives
+    from lightning_zero.comm import Handle, waiting
 
     calls: list[str] = []
 
@@ -150,7 +150,7 @@ def test_a_handle_times_cpu_waits_with_the_clock_and_cuda_waits_on_the_stream(mo
             calls.append("end")
             return self
 
-    monkeypatch.setattr(collectives, "StreamInterval", FakeStreamInterval)
+    monkeypatch.setattr(waiting, "StreamInterval", FakeStreamInterval)
     cpu = FakeComm(calls)
     Handle(object(), cpu, "all_reduce", None, torch.device("cpu")).wait()
     assert cpu.ledger.wait_totals()["all_reduce"] >= 0.02 and cpu.ledger.timing == "wall-clock"

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from lightning_zero.comm import Communicator
-from lightning_zero.comm.collectives import SLICE_TIMEOUT
+from lightning_zero.comm.waiting import SLICE_TIMEOUT
 
 
 class RacingWork:
