@@ -54,7 +54,7 @@ class Lent:
         while self._kept and (now - self._kept[0][0] >= KEEP_S or not _held(self._kept[0][1])):
             self._kept.popleft()
 
-    def drain(self, timeout_s: float = 2.0) -> None:
+    def drain(self, timeout_s: float = 0.5) -> None:
         """Before the process group goes at exit: wait (sleeping, so that the backend's threads
         run) until the backend let go of every alias, at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
