@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -21,32 +20,23 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
-from lightning_zero import faults
-from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.comm import CommLedger, Communicator, is_distributed
-from lightning_zero.comm.mesh import sharding_comm
-from lightning_zero.comm.watchdog import Watchdog
-from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
-from lightning_zero.engines import Engine, make_engine
-from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engines import Engine
+from lightning_zero.grad_sync import ZeroModule
 from lightning_zero.guard import NonFiniteGuard
-from lightning_zero.memory import MemoryReport, measure
-from lightning_zero.precision import (
-    install_sharded_clipping,
-    remove_sharded_clipping,
-    resolve_policy,
-    training_precision,
-)
+from lightning_zero.memory import MemoryReport
+from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping, training_precision
+from lightning_zero.runtime import ZeroRun, config_of, register_names
 from lightning_zero.signals import StepBoundary
-from lightning_zero.zero.deferred import is_deferred, meta_init
+from lightning_zero.zero.deferred import is_deferred
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +103,8 @@ class ZeroStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        if config is not None and (options or stage != 0):
-            raise TypeError("give either config=ZeroConfig(...) or stage and options, not both")
-        self._config = config if config is not None else ZeroConfig.from_kwargs(stage=stage, **options)
+        self._run = ZeroRun(config_of(stage, config, options))  # see [Note: one runtime, two glues]
+        self._config = self._run.config
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -127,14 +116,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._forward_redirection = _ForwardRedirection()
-        self._ledger = CommLedger(max_records=self._config.ledger_records)  # collectives, per step, bounded
-        self._comm: Communicator | None = None  # built once the process group exists
-        self._engine: Engine | None = None  # the stage's mechanism, built when fitting starts
-        self._fitted: Engine | None = None  # the last fit's engine after teardown: its shards' state
-        self._init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
-        self._failed = False  # fit ended in a failure: teardown runs no collective (faults.py)
-        self._watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
         self._boundary: StepBoundary | None = None  # signals and data agreed per batch (signals.py)
         self._handed: dict[str, Any] | None = None  # the state dict the checkpoint hooks were given
         self._guard: NonFiniteGuard | None = (
@@ -148,7 +130,7 @@ class ZeroStrategy(DDPStrategy):
     @property
     def ledger(self) -> CommLedger:
         """Every collective issued by this strategy, grouped by optimizer step."""
-        return self._ledger
+        return self._run.ledger
 
     @property
     def nonfinite_guard(self) -> NonFiniteGuard | None:
@@ -158,7 +140,11 @@ class ZeroStrategy(DDPStrategy):
     @property
     def engine(self) -> Engine | None:
         """The stage's mechanism (hooks, buckets, shards, units) while fitting."""
-        return self._engine
+        return self._run.engine
+
+    @property
+    def _engine(self) -> Engine | None:
+        return self._run.engine
 
     def gathered(self) -> Any:
         """Stage 3: every unit's full parameters inside this context; every rank must enter it
@@ -171,17 +157,14 @@ class ZeroStrategy(DDPStrategy):
         """The LightningModule's state dict with full parameter values, in CPU memory (all ranks call
         it). Stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others
         ``{}``), so no rank ever holds the whole model beyond it. Works during and after ``fit``."""
-        engine, module = self._state_engine, self.lightning_module
-        if engine is not None:
-            return engine.full_state_dict(module, rank0_only=rank0_only)
-        if rank0_only and self.global_rank != 0:
-            return {}
-        return {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
+        return self._run.full_state_dict(
+            self.lightning_module, rank0_only=rank0_only, global_rank=self.global_rank
+        )
 
     @property
     def _sharded_after_fit(self) -> bool:
         """The last fit left the module sharded (``gather_at_teardown``): its units gather on use."""
-        return getattr(self._fitted, "sharded_after_fit", False)
+        return getattr(self._run.fitted, "sharded_after_fit", False)
 
     @contextmanager
     @override
@@ -189,7 +172,7 @@ class ZeroStrategy(DDPStrategy):
         """``trainer.init_module(empty_init=True)`` at stage 3: modules on the meta device, given values
         at setup one unit at a time (see [Note: deferred initialisation]); otherwise as for DDP."""
         if self._config.stage == 3 and empty_init:
-            with self._deferred_init(), self.precision_plugin.tensor_init_context():
+            with self._run.deferred_init(self.root_device), self.precision_plugin.tensor_init_context():
                 yield
             return
         with super().tensor_init_context(empty_init=empty_init):
@@ -203,30 +186,17 @@ class ZeroStrategy(DDPStrategy):
         if self._config.stage != 3:
             yield
             return
-        with self._deferred_init():
+        with self._run.deferred_init(self.root_device):
             yield
-
-    @contextmanager
-    def _deferred_init(self) -> Generator[None, None, None]:
-        self._init_rng = torch.get_rng_state()
-        with meta_init(self.root_device):  # buffers' values recorded (see [Note: deferred initialisation])
-            yield
-
-    @property
-    def _state_engine(self) -> Engine | None:
-        """The engine whose shards hold the optimizer state: the running one, or the last fit's."""
-        return self._engine if self._engine is not None else self._fitted
 
     @property
     def comm(self) -> Communicator:
-        if self._comm is None:
-            self._comm = Communicator(ledger=self._ledger)
-        return self._comm
+        return self._run.comm
 
     @override
     def setup_environment(self) -> None:
         """Before the model exists: the CPU allocator setting (see ``allocator.py``), then DDP's."""
-        tune_cpu_allocator(self._config.cpu_allocator, device_type=self.root_device.type)
+        self._run.prepare_process(self.root_device)
         super().setup_environment()
 
     @override
@@ -240,8 +210,8 @@ class ZeroStrategy(DDPStrategy):
         if not (fitting and self._config.stage == 3):  # stage 3 shards on the host, unit by unit
             self.model_to_device()
             if not self._sharded_after_fit:
-                broadcast_module_states(self.model, self.comm, label=f"zero{self._config.stage}")
-        self._watch_faults()
+                self._run.broadcast_states(self.model)
+        self._run.watch_faults()
         if fitting:  # a read-only or missing folder is named now, not at the first save
             sharded = self._config.state_dict_type == "sharded"
             checkpoints.check_writable(_checkpoint_folders(trainer), self.comm, every_rank=sharded)
@@ -251,17 +221,9 @@ class ZeroStrategy(DDPStrategy):
             _clear_stale_partials(trainer)
         if fitting:
             cfg = self._config
-            policy = resolve_policy(cfg.param_dtype, cfg.reduce_dtype, self.precision_plugin.precision)
-            group = sharding_comm(
-                self.comm,
-                cfg.shard_size,
-                cfg.stage,
-                self.num_nodes,
-                module=self.model,
-                device=self.root_device,
-                report=rank_zero_info,
+            policy = self._run.new_engine(
+                self.model, self.precision_plugin.precision, self.num_nodes, self.root_device
             )
-            self._engine = make_engine(cfg, group, policy)
             off = cfg.nonfinite_grads == "off"
             self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
             self._user_precision_plugin = self.precision_plugin
@@ -280,21 +242,12 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None and self._engine.sharded:
             install_sharded_clipping(self.precision_plugin, self._clip_grad_norm, self._before_step)
 
-    def _watch_faults(self) -> None:
-        """Every rank's host known, the fault board open, the watchdog on if asked (docs/failures.md)."""
-        self._failed = False
-        self.comm.watch_faults(fault_wait_s=self._config.fault_wait_s)
-        if self.comm.active and self._watchdog is None:  # heartbeat; reports with watchdog_s
-            self._watchdog = Watchdog(self.comm, self._config.watchdog_s)
-            self._watchdog.start()
-
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Tell every rank why this one fails, through the store (see ``faults.py``)."""
         super().on_exception(exception)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        step = trainer.global_step if trainer is not None else None
-        self._failed = faults.on_fit_exception(self.comm, exception, step=step)
+        self._run.report_failure(exception, step=trainer.global_step if trainer is not None else None)
 
     @override
     def configure_ddp(self) -> None:
@@ -303,13 +256,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: nn.Module) -> ZeroModule:
-        assert self._engine is not None
-        if self._engine.sharded and self.comm.world_size == 1:
-            rank_zero_warn(
-                f"stage {self._config.stage} on one process shards nothing: it trains as plain training"
-            )
-        optimizers = self.optimizers if self._engine.needs_optimizers_first else []
-        return self._engine.setup(model, optimizers, device=self.root_device, rng_state=self._init_rng)
+        return self._run.wrap(model, self.optimizers, self.root_device)
 
     @contextmanager
     @override
@@ -373,7 +320,7 @@ class ZeroStrategy(DDPStrategy):
         checkpoints]); ``"sharded"``: this rank's slices, by parameter name. Also after ``fit``
         returned (see [Note: after fitting] in engines.py).
         """
-        engine = self._state_engine
+        engine = self._run.state_engine
         if engine is None and self._config.state_dict_type == "full":
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
@@ -383,21 +330,14 @@ class ZeroStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise checkpoints.CheckpointError(
-                f"the checkpoint holds {len(states)} optimizer states, the LightningModule configures "
-                f"{len(self.optimizers)} optimizers"
-            )
         if self._engine is None and not any(isinstance(s, checkpoints.ShardedOptimizerState) for s in states):
+            if len(states) != len(self.optimizers):
+                raise checkpoints.CheckpointError(
+                    f"the checkpoint holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers"
+                )
             super().load_optimizer_state_dict(checkpoint)
             return
-        module, engine = self.lightning_module, self._engine
-        for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
-            if isinstance(state, checkpoints.ShardedOptimizerState):
-                checkpoints.load_sharded_optimizer(module, engine, self.comm, optimizer, state)
-            else:
-                self._engine.load_optimizer_state(optimizer, index, state)
-        _optimizers_to_device(self.optimizers, self.root_device)
+        self._run.load_optimizers(self.lightning_module, self.optimizers, states, self.root_device)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -407,7 +347,7 @@ class ZeroStrategy(DDPStrategy):
         with them (see [Note: streamed full checkpoints]). A sharded save then writes this rank's
         slices of what the hooks left ([Note: hooks see tensors] in ``checkpoint/hooks.py``)."""
         assert self.lightning_module is not None
-        engine = self._state_engine
+        engine = self._run.state_engine
         state = self._full_form_state(engine)  # in both forms: see [Note: hooks see tensors]
         self._handed = dict(state)  # the values handed out (hooks may replace them in the dict itself)
         return state
@@ -438,31 +378,19 @@ class ZeroStrategy(DDPStrategy):
     def _save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
     ) -> None:
-        path = self._shared_path(filepath)
-        keep = self._config.keep_previous_checkpoint
-        if self._config.state_dict_type == "full":
-            checkpoints.save_full(
-                checkpoint, path, self.comm, self.checkpoint_io, storage_options,
-                engine=self._state_engine, keep_previous=keep,
-            )  # fmt: skip
-            return
-        if storage_options is not None:
-            raise TypeError("storage_options: sharded checkpoints are written by DCP, not CheckpointIO")
-        module, stage = self.lightning_module, self._config.stage
-        if "state_dict" in checkpoint and self._handed is not None:
-            to_sharded_state(checkpoint, self._handed, module, self._state_engine)
+        path, module = self._run.shared_path(filepath, self.root_device), self.lightning_module
+        sharded = self._config.state_dict_type == "sharded"
+        if sharded and "state_dict" in checkpoint and self._handed is not None:
+            to_sharded_state(checkpoint, self._handed, module, self._run.state_engine)
             self._handed = None
-        layout = checkpoints.layout_of(module, self._state_engine, stage, self.comm.world_size)
-        checkpoints.save_sharded(checkpoint, Path(path), self.comm, layout, keep_previous=keep)
+        self._run.save(checkpoint, path, module, self.checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A full file, or a sharded directory's entries with stand-ins that each rank reads later;
         checked against its checksums, the previous intact one if it is damaged (docs/checkpoints.md)."""
-        path, verify = self._shared_path(checkpoint_path), self._config.verify_checkpoints
-        checkpoint = checkpoints.read_or_fallback(
-            path, self.checkpoint_io, weights_only, comm=self.comm, verify=verify
-        )
+        path = self._run.shared_path(checkpoint_path, self.root_device)
+        checkpoint = self._run.read(path, self.checkpoint_io, weights_only, fall_back=True)
         trainer = getattr(self.lightning_module, "_trainer", None)
         if checkpoint.fell_back and trainer is not None:  # Lightning's "Restored all states" names it
             trainer._checkpoint_connector._ckpt_path = checkpoint.loaded_from
@@ -471,32 +399,24 @@ class ZeroStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        state = checkpoint["state_dict"]
-        checkpoints.load_model_state(self.lightning_module, self._engine, self.comm, state, strict=strict)
+        self._run.load_model(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
             checkpoints.remove(filepath, self.checkpoint_io)
 
-    def _shared_path(self, path: _PATH) -> str:
-        """Rank 0's path on every rank: all of them read or write the same checkpoint."""
-        return self.comm.broadcast_object(str(path), name="checkpoint/path", device=self.root_device)
-
     def memory_report(self) -> MemoryReport:
         """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
         assert self.lightning_module is not None
-        engine = self._engine
-        grads = engine.grad_tensors() if engine is not None else []
-        extra = engine.param_tensors() if engine is not None else []
-        return measure(self.lightning_module, grads, self.optimizers, extra_params=extra)
+        return self._run.memory_report(self.lightning_module, self.optimizers)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        self._ledger.begin_step(trainer.global_step)
+        self._run.ledger.begin_step(trainer.global_step)
         if self._boundary is not None:
             self._boundary.agree(trainer, batch_idx)  # signals and last batches, every rank's
 
@@ -537,38 +457,21 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
         if self._boundary is not None:
             self._boundary.uninstall()
             self._boundary = None
-        if self._engine is not None:
-            self._engine.teardown(failed=self._failed)  # no collective after a failure
-            if self._engine.sharded:
+        engine = self._run.end(keep_state=True)  # no collective after a failure
+        if engine is not None:
+            if engine.sharded:
                 remove_sharded_clipping(self.precision_plugin)
             if self._user_precision_plugin is not None:
                 self.precision_plugin = self._user_precision_plugin
-            self._fitted = None if self._failed else self._engine
-            self._engine = None
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
-        self._failed = False
         with _kept_on_meta(self.lightning_module):
             super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in SUPPORTED_STAGES:
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-                name = f"zero{stage}{suffix}"
-                if name in strategy_registry:
-                    continue
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"ZeRO stage {stage} data parallelism, start_method '{start_method}'",
-                    stage=stage,
-                    start_method=start_method,
-                )
+        register_names(cls, strategy_registry)

@@ -205,8 +205,8 @@ def _adapters(stage: int | None, root: str) -> dict:
         "values": _values(module),
         "frozen_kept": all(torch.equal(frozen_before[n], frozen_after[n]) for n in frozen_before),
         "memory": memory.report,
-        "shards": _shard_elements(trainer.strategy._fitted) if stage == 3 else 0,
-        "trainable_shards": _shard_elements(trainer.strategy._fitted, trainable=True) if stage == 3 else 0,
+        "shards": _shard_elements(trainer.strategy._run.fitted) if stage == 3 else 0,
+        "trainable_shards": _shard_elements(trainer.strategy._run.fitted, trainable=True) if stage == 3 else 0,
     }
 
 
@@ -248,7 +248,7 @@ def _buffers(stage: int, limit: int, root: str) -> dict:
     trainer = _trainer(stage, root, callbacks=[peaks], **options)
     module = BigModule(SMALL, eager=True)
     trainer.fit(module)
-    engine = trainer.strategy._fitted
+    engine = trainer.strategy._run.fitted
     root_unit = None
     if stage == 3:
         sizes = [u.flat.padded_numel * 4 for u in engine.zero3.units if u.flat is not None]

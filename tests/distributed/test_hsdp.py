@@ -101,7 +101,7 @@ def fit(stage: int, shard_size: int | str | None, case: Case, root: str) -> dict
     strategy = _strategy(stage, shard_size)
     memory = MemoryAfterFirstStep()
     _trainer(strategy, case, root, epochs=1, callbacks=[memory]).fit(model)
-    chosen = strategy._fitted.comm.world_size  # K: the size of the group the engine sharded over
+    chosen = strategy._run.fitted.comm.world_size  # K: the size of the group the engine sharded over
     ledger = strategy.ledger
     records = [(r.op, r.name, r.wire_bytes, r.link, r.group_size) for r in ledger.records if r.step == 1]
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
