@@ -290,32 +290,40 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
         ``scratch_input``: the caller no longer needs ``input``'s values, so that gloo may reduce
         in it instead of in a copy of it (see [Note: collectives in place] in inplace.py)."""
         nbytes = input.numel() * input.element_size()
-        if scratch_input and input.is_contiguous() and self.active and copies_in_backend(input, self.group):
-            where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
-            launch = lambda: all_reduce_for_scatter(output, input, **where)  # noqa: E731
-            lent = ()  # the in-place work holds its own
-        else:
-            lent = (lend(output), lend(input))
-            launch = lambda: _REDUCE_SCATTER(*lent, group=self.group, async_op=True)  # noqa: E731
-        handle = self._issue("reduce_scatter", name, nbytes, launch, device=input.device, lent=lent)
-        if not self.active:
-            output.copy_(input)
-        if not async_op:
-            handle.wait()
-        return handle
+        in_place = (
+            scratch_input and input.is_contiguous() and self.active and copies_in_backend(input, self.group)
+        )
+        launch = all_reduce_for_scatter if in_place else None
+        return self._flat("reduce_scatter", name, output, input, nbytes, launch, _REDUCE_SCATTER, async_op)
 
     def all_gather(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Concatenate every rank's ``input`` shard into ``output`` (1D, N x shard); on gloo in
         place, by broadcasts (see [Note: collectives in place] in inplace.py)."""
         nbytes = output.numel() * output.element_size()
-        if output.is_contiguous() and self.active and copies_in_backend(output, self.group):
+        in_place = output.is_contiguous() and self.active and copies_in_backend(output, self.group)
+        launch = all_gather_by_broadcasts if in_place else None
+        return self._flat("all_gather", name, output, input, nbytes, launch, _ALL_GATHER, async_op)
+
+    def _flat(
+        self,
+        op: str,
+        name: str,
+        output: Tensor,
+        input: Tensor,
+        nbytes: int,
+        in_place: Callable[..., Any] | None,
+        backend: Callable[..., Any],
+        async_op: bool,
+    ) -> Handle:
+        """A reduce-scatter or all-gather of flat tensors: ``in_place``'s launch (inplace.py) on gloo,
+        else the backend's own collective on private aliases; alone, the input copied over."""
+        if in_place is not None:
             where = {"rank": self.rank, "world_size": self.world_size, "group": self.group}
-            launch = lambda: all_gather_by_broadcasts(output, input, **where)  # noqa: E731
-            lent = ()  # the in-place work holds its own
+            launch, lent = (lambda: in_place(output, input, **where)), ()  # the in-place work holds its own
         else:
             lent = (lend(output), lend(input))
-            launch = lambda: _ALL_GATHER(*lent, group=self.group, async_op=True)  # noqa: E731
-        handle = self._issue("all_gather", name, nbytes, launch, device=output.device, lent=lent)
+            launch = lambda: backend(*lent, group=self.group, async_op=True)  # noqa: E731
+        handle = self._issue(op, name, nbytes, launch, device=input.device, lent=lent)
         if not self.active:
             output.copy_(input)
         if not async_op:
