@@ -49,6 +49,7 @@ from benchmarks.fsdp_cpu import CPUFSDPStrategy  # noqa: E402
 from examples.data import CharDataModule  # noqa: E402
 from examples.gpt import GPTLightning  # noqa: E402
 from lightning_zero.memory import measure  # noqa: E402
+from tests.bigmodel.lit import quiet_trainer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,22 +260,18 @@ def main(argv: list[str] | None = None) -> None:
     model = GPTLightning(vocab_size=data.vocab_size, **cfg)
     timer = StepTimer(args.out)
     with tempfile.TemporaryDirectory(prefix="bench_") as root:
-        trainer = L.Trainer(
-            strategy=build_strategy(args.strategy, args),
-            accelerator="cpu",
+        trainer = quiet_trainer(
+            build_strategy(args.strategy, args),
+            root,
             devices=args.devices,
+            max_epochs=None,
+            callbacks=[timer]
+            if args.profile_from is None
+            else [timer, StepProfile(args.out, args.profile_from)],
             precision=args.precision,
             max_steps=args.steps,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-            callbacks=[timer]
-            if args.profile_from is None
-            else [timer, StepProfile(args.out, args.profile_from)],
         )
         start = time.perf_counter()
         trainer.fit(model, datamodule=data)

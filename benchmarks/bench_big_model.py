@@ -32,11 +32,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: `tests` importable
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
 
-from lightning_zero import ZeroStrategy  # noqa: E402
-from tests.bigmodel.lit import BigModule, Phases, Shape, psi, reset_peak, rss_mb  # noqa: E402
-from tests.bigmodel.test_stage3_big import BLOCK, run_phases  # noqa: E402
+from tests.bigmodel.lit import (  # noqa: E402
+    BigModule,
+    Phases,
+    Shape,
+    psi,
+    quiet_trainer,
+    reset_peak,
+    rss_mb,
+    zero_strategy,
+)
+from tests.bigmodel.test_stage3_big import run_phases  # noqa: E402
 from tests.matrix.runner import run_jobs  # noqa: E402
 
 # model state per rank in fp32 AdamW, in units of Ψ bytes, at N ranks (frozen weights: 4 bytes each,
@@ -67,23 +74,8 @@ def run_user(strategy: str, shape: Shape, shared: str, root: str) -> dict:
     reset_peak()
     phases = Phases(baseline=rss_mb())
     torch.manual_seed(0)
-    if strategy == "ddp":
-        chosen = "ddp"
-    else:
-        stage = int(strategy.removeprefix("zero"))
-        chosen = ZeroStrategy(stage=stage, **({"wrap_policy": BLOCK} if stage == 3 else {}))
-    trainer = Trainer(
-        strategy=chosen,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[phases],
-    )
+    chosen = "ddp" if strategy == "ddp" else zero_strategy(int(strategy.removeprefix("zero")))
+    trainer = quiet_trainer(chosen, root, callbacks=[phases])
     trainer.fit(BigModule(shape))
     trainer.save_checkpoint(os.path.join(shared, f"{strategy}.ckpt"))
     phases.measure("save full")

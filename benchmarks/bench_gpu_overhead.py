@@ -179,6 +179,7 @@ def run_child(args: argparse.Namespace) -> None:
 
     from examples.data import CharDataModule
     from examples.gpt import GPTLightning
+    from tests.bigmodel.lit import quiet_trainer
 
     L.seed_everything(args.seed, verbose=False)
     torch.set_float32_matmul_precision("high")  # the same for every variant
@@ -192,20 +193,17 @@ def run_child(args: argparse.Namespace) -> None:
     model = GPTLightning(vocab_size=data.vocab_size, **cfg)
     timer = step_events_callback()
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as root:
-        trainer = L.Trainer(
-            strategy=strategy_of(args.run),
-            accelerator="cuda",
+        trainer = quiet_trainer(
+            strategy_of(args.run),
+            root,
             devices=1,
+            max_epochs=None,
+            callbacks=[timer],
+            accelerator="cuda",
             precision=args.precision,
             max_steps=args.steps,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-            callbacks=[timer],
         )
         trainer.fit(model, datamodule=data)
     num_params = sum(p.numel() for p in model.parameters())

@@ -162,6 +162,7 @@ def worker(args: argparse.Namespace) -> None:
     from benchmarks._run_one import model_config
     from examples.data import CharDataModule
     from examples.gpt import GPTLightning
+    from tests.bigmodel.lit import quiet_trainer
 
     meter = PhaseMeter()
     rank = int(os.environ["RANK"])
@@ -180,20 +181,16 @@ def worker(args: argparse.Namespace) -> None:
         args.allocator == "package" and args.strategy != "ddp" and args.strategy != "fsdp"
     )
     phases = phase_callback(meter, args.save, "tuned" if tuned else "default")
-    trainer = L.Trainer(
-        strategy=build_strategy(args.strategy, args.allocator),
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        build_strategy(args.strategy, args.allocator),
+        os.path.dirname(args.save),
         devices=n,
+        max_epochs=None,
+        callbacks=[phases],
         precision=args.precision,
         max_steps=args.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=os.path.dirname(args.save),
-        callbacks=[phases],
     )
     trainer.fit(model, datamodule=data)
     meter.close("teardown")

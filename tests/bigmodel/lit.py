@@ -1,6 +1,6 @@
 """A stack of MLP blocks built in ``configure_model`` (deferred at stage 3), optionally a frozen base
-with small trainable adapters; memory measured per phase of a run. Shared by the tests and by
-benchmarks/bench_big_model.py.
+with small trainable adapters; memory measured per phase of a run; the quiet Trainer every such run
+uses. Shared by the tests and by benchmarks/bench_big_model.py.
 """
 
 from __future__ import annotations
@@ -8,15 +8,19 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_zero import ZeroStrategy
 from tests.matrix.lit import Shuffled
+
+BLOCK = "tests.bigmodel.lit.Block"  # stage 3's unit: one per block
 
 
 class Shape(NamedTuple):
@@ -183,3 +187,39 @@ def supports_peak_reset() -> bool:
         return os.path.exists("/proc/self/status")
     except OSError:
         return False
+
+
+def zero_strategy(stage: int, **options: Any) -> ZeroStrategy:
+    """Stage ``stage`` with the package's defaults and ``options``; at stage 3 one unit per
+    :class:`Block` unless ``wrap_policy`` says otherwise."""
+    if stage == 3:
+        options.setdefault("wrap_policy", BLOCK)
+    return ZeroStrategy(stage=stage, **options)
+
+
+def quiet_trainer(
+    strategy: Any,
+    root: str,
+    *,
+    devices: int = 2,
+    max_epochs: int | None = 1,
+    callbacks: Sequence[Callback] = (),
+    accelerator: str = "cpu",
+    **options: Any,
+) -> Trainer:
+    """A Trainer on ``devices`` processes that does nothing but fit: no logger, no checkpoints, no
+    progress bar, no model summary (what the memory and timing runs measure is the strategy's);
+    ``options``: any other Trainer argument (``precision``, ``max_steps``, ...)."""
+    return Trainer(
+        strategy=strategy,
+        accelerator=accelerator,
+        devices=devices,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+        **options,
+    )

@@ -16,29 +16,27 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_zero import ZeroStrategy
 from lightning_zero.zero.unit import is_at_rest
-from tests.bigmodel.lit import BigModule, Phases, Shape, psi, reset_peak, rss_mb, supports_peak_reset
+from tests.bigmodel.lit import (
+    BigModule,
+    Phases,
+    Shape,
+    psi,
+    quiet_trainer,
+    reset_peak,
+    rss_mb,
+    supports_peak_reset,
+    zero_strategy,
+)
 from tests.matrix.runner import run_jobs
 
-BLOCK = "tests.bigmodel.lit.Block"
 SMALL = Shape()
 
 
 def _trainer(stage: int | None, root: str, *, max_epochs: int = 1, callbacks=(), **options) -> Trainer:
-    if stage == 3:
-        options.setdefault("wrap_policy", BLOCK)
-    return Trainer(
-        strategy=ZeroStrategy(stage=stage, **options) if stage is not None else "auto",
-        accelerator="cpu",
-        devices=2 if stage is not None else 1,
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=list(callbacks),
+    strategy = zero_strategy(stage, **options) if stage is not None else "auto"
+    return quiet_trainer(
+        strategy, root, devices=2 if stage is not None else 1, max_epochs=max_epochs, callbacks=callbacks
     )
 
 
@@ -206,7 +204,9 @@ def _adapters(stage: int | None, root: str) -> dict:
         "frozen_kept": all(torch.equal(frozen_before[n], frozen_after[n]) for n in frozen_before),
         "memory": memory.report,
         "shards": _shard_elements(trainer.strategy._run.fitted) if stage == 3 else 0,
-        "trainable_shards": _shard_elements(trainer.strategy._run.fitted, trainable=True) if stage == 3 else 0,
+        "trainable_shards": _shard_elements(trainer.strategy._run.fitted, trainable=True)
+        if stage == 3
+        else 0,
     }
 
 

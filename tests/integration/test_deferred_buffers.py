@@ -14,13 +14,14 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
 from lightning_zero.zero.deferred import Initializer, meta_init, post_order
+from tests.bigmodel.lit import quiet_trainer
 from tests.matrix.runner import run_jobs
 
 WIDTH = 16  # d
@@ -142,20 +143,9 @@ def _fit(build: str, param_init_fn, root: str) -> dict:
     (``trainer.init_module(empty_init=True)``), "configure_model" or "random_buffer" (the latter
     two built in ``configure_model``)."""
     reader = ReadBuffers()
-    trainer = Trainer(
-        strategy=ZeroStrategy(
-            stage=3, wrap_policy="tests.integration.test_deferred_buffers.Block", param_init_fn=param_init_fn
-        ),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[reader],
-        default_root_dir=root,
-    )
+    block = "tests.integration.test_deferred_buffers.Block"
+    strategy = ZeroStrategy(stage=3, wrap_policy=block, param_init_fn=param_init_fn)
+    trainer = quiet_trainer(strategy, root, callbacks=[reader])
     torch.manual_seed(0)
     if build == "normal":
         model = LitNet(Net())

@@ -24,17 +24,24 @@ import gc
 import os
 
 import torch
-from lightning.pytorch import Trainer
 
-from lightning_zero import ZeroStrategy
 from lightning_zero.allocator import cpu_allocator_state
-from tests.bigmodel.lit import BigModule, Shape, peak_rss_mb, psi, release_free_heap, reset_peak, rss_mb
+from tests.bigmodel.lit import (
+    BigModule,
+    Shape,
+    peak_rss_mb,
+    psi,
+    quiet_trainer,
+    release_free_heap,
+    reset_peak,
+    rss_mb,
+    zero_strategy,
+)
 from tests.matrix.runner import run_jobs
 
 SHAPE = Shape(width=576, blocks=24, tokens=8, micro_batches=2)  # 63.8M parameters, 2 steps
 WARM_UP = Shape(width=32, blocks=2, tokens=8, micro_batches=2)  # the first fit of the processes
 STAGES = (3, 2, 1, 0)  # smallest model state first
-BLOCK = "tests.bigmodel.lit.Block"
 BYTES_PER_PARAM = {0: 16.0, 1: 8 + 8 / 2, 2: 4 + 12 / 2, 3: 16 / 2}  # fp32 AdamW, N = 2
 MIN_SHARE = 0.5  # of each stage's theoretical saving over the previous stage that must show
 
@@ -47,18 +54,7 @@ def whole_run_peak(stage: int, shape: Shape, root: str) -> tuple[float, bool]:
     release_free_heap()  # what earlier fits freed is not this one's to reuse
     start = rss_mb()
     reset_peak()
-    options = {"wrap_policy": BLOCK} if stage == 3 else {}
-    trainer = Trainer(
-        strategy=ZeroStrategy(stage=stage, **options),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(zero_strategy(stage), root)
     trainer.fit(BigModule(shape))
     return peak_rss_mb() - start, cpu_allocator_state() is not None
 
