@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,9 +50,6 @@ from lightning_zero.comm.inplace import Works
 from lightning_zero.comm.lent import LENT
 from lightning_zero.comm.timing import CUDA_EVENTS, StreamInterval, timing_for
 from lightning_zero.comm.tracker import Issued, RankState
-
-if TYPE_CHECKING:
-    from lightning_zero.comm.collectives import Communicator
 
 POLL_S = 1.0  # slice of a host-blocking wait between two reads of the fault board
 SLICE_TIMEOUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice runs out
@@ -115,7 +112,7 @@ class Handle:
     def __init__(
         self,
         work: Any | None = None,
-        comm: Communicator | None = None,
+        comm: Waits | None = None,  # the Communicator that issued it
         op: str | None = None,
         issued: Issued | None = None,
         device: torch.device | None = None,

@@ -5,8 +5,11 @@ keys] in ``state.py``). The files are written and read by the run (``runtime.py`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
@@ -14,17 +17,33 @@ from torch.optim import Optimizer
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.checkpoint.states import model_state, optimizer_state
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engines import Engine
 from lightning_zero.fabric import state as fstate
-
-if TYPE_CHECKING:
-    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+from lightning_zero.runtime import ZeroRun
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
 
-def save(
-    strategy: ZeroFabricStrategy, path: Any, state: Mapping[str, Any], storage_options: Any, filter: Filter
-) -> None:
+class Glue(Protocol):
+    """What these functions use of the Fabric strategy (``ZeroFabricStrategy``)."""
+
+    _run: ZeroRun
+    _module: nn.Module | None
+    _optimizers: list[Optimizer]
+    root_device: torch.device
+    checkpoint_io: CheckpointIO
+    precision: Precision
+    config: ZeroConfig
+
+    def _ready(self) -> Engine: ...
+
+    def _owns(self, module: Any) -> bool: ...
+
+    def _index(self, optimizer: Any, key: str | None = None) -> int: ...
+
+
+def save(strategy: Glue, path: Any, state: Mapping[str, Any], storage_options: Any, filter: Filter) -> None:
     """``fabric.save``: the Trainer's checkpoint format; a full file written by rank 0 or a sharded
     directory written by every rank, complete or absent. All ranks call it."""
     strategy._ready()
@@ -40,7 +59,7 @@ def save(
 
 
 def load(
-    strategy: ZeroFabricStrategy,
+    strategy: Glue,
     path: Any,
     state: dict[str, Any] | None,
     strict: bool,
@@ -80,7 +99,7 @@ def load(
 
 
 def load_raw(
-    strategy: ZeroFabricStrategy,
+    strategy: Glue,
     path: Any,
     obj: nn.Module | Optimizer,
     strict: bool,
@@ -97,7 +116,7 @@ def load_raw(
         obj.load_state_dict(raw, strict=strict)
 
 
-def roles_of(strategy: ZeroFabricStrategy, state: Mapping[str, Any], *, saving: bool) -> fstate.Roles:
+def roles_of(strategy: Glue, state: Mapping[str, Any], *, saving: bool) -> fstate.Roles:
     """Which of the user's keys hold the model, the optimizers and the LR schedulers (a save
     needs the model; a load reads what is asked for)."""
     model, optimizers, schedulers = None, {}, []
@@ -129,9 +148,7 @@ def roles_of(strategy: ZeroFabricStrategy, state: Mapping[str, Any], *, saving: 
     return fstate.Roles(model, optimizers, schedulers)
 
 
-def _entries(
-    strategy: ZeroFabricStrategy, state: Mapping[str, Any], sharded: bool, filter: Filter
-) -> dict[str, Any]:
+def _entries(strategy: Glue, state: Mapping[str, Any], sharded: bool, filter: Filter) -> dict[str, Any]:
     """What ``fabric.save`` writes: the full form under the user's keys, as Fabric's DDP writes it;
     the sharded form in the Trainer's layout; either with the precision plugin's state and the record."""
     roles = roles_of(strategy, state, saving=True)
@@ -166,7 +183,7 @@ def _entries(
 
 
 def _load_roles(
-    strategy: ZeroFabricStrategy,
+    strategy: Glue,
     checkpoint: dict[str, Any],
     state: Mapping[str, Any],
     roles: fstate.Roles,

@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from typing_extensions import override
@@ -30,9 +30,18 @@ from typing_extensions import override
 from lightning_zero.comm import Communicator
 from lightning_zero.comm.faults import StoreUnreachable, process_exists
 from lightning_zero.comm.waiting import POLL_S
+from lightning_zero.runtime import ZeroRun
 
-if TYPE_CHECKING:
-    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+class Failing(Protocol):
+    """What the hook and the launcher use of the Fabric strategy (``ZeroFabricStrategy``)."""
+
+    _run: ZeroRun
+    comm: Communicator
+
+    def _report_failure(self, exception: BaseException) -> bool: ...
+
+    def _leave_last(self) -> None: ...
 
 
 class FailureHook:
@@ -40,12 +49,12 @@ class FailureHook:
     published before the previous hook prints it (see [Note: failures in a Fabric loop]). One per
     process: a later strategy's hook replaces an earlier one's, keeping the hook before both."""
 
-    def __init__(self, strategy: ZeroFabricStrategy, previous: Callable[..., Any]) -> None:
+    def __init__(self, strategy: Failing, previous: Callable[..., Any]) -> None:
         self.strategy = strategy  # whose communicator publishes the failure
         self.previous = previous  # the hook installed before this one: prints the traceback
 
     @classmethod
-    def install(cls, strategy: ZeroFabricStrategy) -> FailureHook:
+    def install(cls, strategy: Failing) -> FailureHook:
         current = sys.excepthook
         hook = cls(strategy, current.previous if isinstance(current, FailureHook) else current)
         sys.excepthook = hook
@@ -72,7 +81,7 @@ class ReportingLauncher(_MultiProcessingLauncher):
         try:
             super()._wrapping_function(process_idx, *args)
         except (Exception, KeyboardInterrupt) as error:
-            strategy: ZeroFabricStrategy = self._strategy  # type: ignore[assignment]
+            strategy: Failing = self._strategy  # type: ignore[assignment]
             if strategy._report_failure(error):  # its own: the parent may report a peer's instead
                 traceback.print_exc()
                 strategy._leave_last()
