@@ -295,11 +295,19 @@ class ShardedOptimizerEngine(Engine):
         initial = cast_parameters(module, self.policy)
         self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
         self.sharded_params = ShardedParams(self.wrapped.sync, self.comm, initial)  # flat buckets, shards
+        self.wrapped.sync.before_forward = self.take_assigned
         for index, optimizer in enumerate(optimizers):
             self.sharded_params.shard_optimizer(optimizer, index)
         return self.wrapped
 
+    def take_assigned(self) -> None:
+        """Values assigned by hand (``p.data = value``) into the buckets, and under a policy into the
+        fp32 masters (see [Note: parameters assigned by hand] in zero/optimizer.py)."""
+        if self.sharded_params.rebind():
+            self.take_back()
+
     def before_step(self, optimizer: Optimizer, index: int) -> None:
+        self.take_assigned()
         self.sharded_params.take_user_grads(index)
 
     def after_step(self, optimizer: Optimizer, index: int) -> None:

@@ -233,6 +233,7 @@ class GradReducer:
         self.drop_on_abort = False  # stage 0 under a policy: a raised backward's gradients are dropped
         self.consumed: Callable[[int], bool] | None = None  # stage 0 added slots: consumer dropped it
         self.spaces: list[FlatParameter] | None = None  # stages 1-2: bucket -> its shard's flat space
+        self.before_forward: Callable[[], Any] | None = None  # stages 1-2: parameters assigned by hand taken
         self.sync_enabled = True  # False inside no_sync()
         self.buckets: list[Bucket] = []  # in launch order
         self._slot: dict[int, tuple[Bucket, int]] = {}  # param index -> (bucket, slot in bucket)
@@ -359,6 +360,8 @@ class GradReducer:
         the gradients stay as they are (as under DDP, no ``.grad`` appears before a backward)."""
         if self._end.raised(idle=True):
             self._abort()
+        if self.before_forward is not None:
+            self.before_forward()
 
     def finish_forward(self, output: object) -> None:
         """When backward reaches this forward's outputs, before any parameter of it accumulates:

@@ -123,6 +123,7 @@ class ShardedParams:
         self.original_groups: dict[int, list[list[Parameter]]] = {}  # optimizer -> groups' params
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
         self.masters = bool(masters)  # shards are separate fp32 masters (see [Note: mixed precision])
+        self._views: list[tuple[Parameter, Tensor]] = []  # each parameter and its view of its bucket
         self._layout(masters or {})
 
     def _layout(self, masters: dict[int, Tensor]) -> None:
@@ -138,10 +139,33 @@ class ShardedParams:
             with torch.no_grad():
                 for p, offset in zip(bucket.params, space.offsets):
                     p.data = flat[offset : offset + p.numel()].view_as(p)
+                    self._views.append((p, p.data))
             space.shard = space.master_shard(masters) if masters else space.own_chunk(flat)
             self.flats.append(flat)
             self.spaces.append(space)
         self.reducer.spaces = self.spaces
+
+    def rebind(self) -> bool:
+        """[Note: parameters assigned by hand] ``p.data = value`` (a user re-initialising or loading a
+        weight by hand) makes the parameter stop viewing its bucket, so the optimizer's steps, which
+        update the bucket, would no longer reach it: it would stay at the value for the rest of the
+        run. Before every forward and every step the value is taken into the bucket and the
+        parameter views it again, so it trains on as under DDP. Returns whether any was taken."""
+        taken = False
+        for p, view in self._views:
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape:
+                raise ValueError(
+                    f"a parameter of shape {tuple(view.shape)} was assigned a tensor of shape {tuple(p.shape)} "
+                    "(p.data = ...): its shape is fixed by the flat bucket it lives in; assign a value of "
+                    "the same shape"
+                )
+            with torch.no_grad():
+                view.copy_(p.data)
+            p.data = view
+            taken = True
+        return taken
 
     def buckets_of(self, optimizer_index: int) -> list[int]:
         return [b for b, s in enumerate(self.spaces) if s.optimizer_subs(optimizer_index)]

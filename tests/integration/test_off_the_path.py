@@ -349,3 +349,47 @@ def test_wrap_policy_strings_are_checked_when_the_strategy_is_built():
         ZeroStrategy(stage=3, wrap_policy="no.such.Block")
     with pytest.raises(ValueError, match="elementwise_optimizers: 'no.such.Opt' cannot be imported"):
         ZeroStrategy(stage=1, elementwise_optimizers=["no.such.Opt"])
+
+
+# -- a parameter's data assigned by hand --------------------------------------------------------
+
+
+class Reassigned(MatrixModule):
+    """``p.data = value`` on every rank, as a user re-initialising or loading a weight by hand:
+    before the second batch's forward (``on_train_batch_start``) and after the fourth batch's
+    backward, before its step (``on_before_optimizer_step``)."""
+
+    def __init__(self, per_rank: int) -> None:
+        super().__init__(Case(), per_rank=per_rank)
+
+    def _assign(self, scale: float) -> None:
+        weight = self.net.blocks[0].fc1.weight
+        with torch.no_grad():
+            weight.data = torch.full(tuple(weight.shape), scale) + 0.01 * torch.arange(
+                weight.numel(), dtype=torch.float32
+            ).reshape(tuple(weight.shape)).remainder(7)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 1:
+            self._assign(0.05)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.trainer.global_step == 3:
+            self._assign(-0.02)
+
+
+def _reassigned(stage: int | None, root: str) -> dict:
+    return _fit(Reassigned(_per_rank(stage)), stage, root)
+
+
+def test_a_parameter_assigned_by_hand_trains_on_as_in_plain_training(tmp_path):
+    """``p.data = value`` between steps and between backward and step: the value is taken and the
+    parameter trains on from it at every stage, as in one process (stages 1-2 once left it frozen
+    at the assigned value: it no longer viewed its bucket)."""
+    ref = run_jobs([functools.partial(_reassigned, None)], str(tmp_path / "ref"), world=1, timeout=300)[0][0]
+    jobs = [functools.partial(_reassigned, s) for s in STAGES]
+    ranks = run_jobs(jobs, str(tmp_path / "ranks"), world=2, timeout=600)
+    for rank in ranks:
+        for stage, result in zip(STAGES, rank):
+            assert result["error"] is None, (stage, result["error"])
+            assert _max_diff(result["params"], ref["params"]) <= 1e-5, stage
