@@ -31,6 +31,7 @@ from lightning_zero import faults
 from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.comm.mesh import sharding_comm
+from lightning_zero.comm.waiting import stop_waiter
 from lightning_zero.comm.watchdog import Watchdog
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.engines import Engine, FullyShardedEngine, ShardedOptimizerEngine, make_engine
@@ -277,6 +278,8 @@ class ZeroRun:
         if engine is not None:
             engine.teardown(failed=self.failed)
             self.fitted = engine if keep_state and not self.failed else None
+        if not self.failed:
+            stop_waiter()  # no thread of the package outlives the run (after a failure it may be blocked)
         self.failed = False
         return engine
 

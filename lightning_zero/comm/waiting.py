@@ -70,7 +70,7 @@ class _Waiter:
     ``is_completed``), so that the caller can wait in slices (see [Note: waiting without hanging])."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Waiting] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()  # None: stop
         self._thread: threading.Thread | None = None
 
     def submit(self, work: Any) -> _Waiting:
@@ -81,9 +81,25 @@ class _Waiter:
         self._queue.put(waiting)
         return waiting
 
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """End the thread once it has no work (the end of a run: no thread of the package outlives
+        it); a later submit starts it again. False when it is still blocked in a work (a collective
+        that never completed: a failure), which it is then left in."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        self._queue.put(None)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
     def _run(self) -> None:
         while True:
             waiting = self._queue.get()
+            if waiting is None:  # stop()
+                return
             try:
                 waiting.work.wait()
             except BaseException as err:  # handed to the caller
@@ -95,6 +111,13 @@ class _Waiter:
 
 
 _WAITER = _Waiter()
+
+
+def stop_waiter() -> bool:
+    """End the package's waiter thread if it runs and waits for nothing (see :meth:`_Waiter.stop`)."""
+    return _WAITER.stop()
+
+
 _UNTIMED_OPS = ("reduce_scatter",)  # gloo ops whose Work.wait(timeout) blocks past the timeout
 # (not when done in place, as an all-reduce: see [Note: collectives in place] in inplace.py)
 

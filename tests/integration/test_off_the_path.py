@@ -393,3 +393,29 @@ def test_a_parameter_assigned_by_hand_trains_on_as_in_plain_training(tmp_path):
         for stage, result in zip(STAGES, rank):
             assert result["error"] is None, (stage, result["error"])
             assert _max_diff(result["params"], ref["params"]) <= 1e-5, stage
+
+
+# -- no thread of the package outlives fit ------------------------------------------------------
+
+
+class _DoneWork:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def _threads_after_fit(stage: int, root: str) -> list[str]:
+    import threading
+
+    from lightning_zero.comm.waiting import _WAITER
+
+    _WAITER.submit(_DoneWork()).done.wait(5)  # the waiter thread runs, as after an untimed wait
+    _fit(MatrixModule(Case(), per_rank=_per_rank(stage)), stage, root)
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_zero"))
+
+
+def test_no_thread_of_the_package_outlives_fit(tmp_path):
+    """The watchdog and the waiter thread end with the run, at every stage (a harness that checks
+    for leftover threads finds none)."""
+    jobs = [functools.partial(_threads_after_fit, s) for s in STAGES]
+    for rank in run_jobs(jobs, str(tmp_path / "ranks"), world=2, timeout=600):
+        assert rank == [[] for _ in STAGES], rank
