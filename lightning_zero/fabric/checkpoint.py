@@ -105,9 +105,11 @@ def load_raw(
     strict: bool,
     weights_only: bool | None,
 ) -> None:
-    """``fabric.load_raw``: a bare state dict (a module's, or an optimizer's single-process one)."""
+    """``fabric.load_raw``: a bare state dict (a module's, or an optimizer's single-process one).
+    Weights only unless ``weights_only=False`` says the caller trusts the file: Lightning would read
+    ``None`` as ``False`` for a remote path ([Note: what loading runs] in checkpoint/format.py)."""
     path = strategy._run.shared_path(path, strategy.root_device)
-    raw = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+    raw = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only is not False)
     if isinstance(obj, Optimizer):
         strategy._ready().load_optimizer_state(obj, strategy._index(obj), raw)
     elif strategy._owns(obj):

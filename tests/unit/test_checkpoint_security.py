@@ -222,3 +222,30 @@ def test_a_sharded_save_and_consolidate_fsync_their_folder_after_the_rename(tmp_
     synced.clear()
     C.consolidate(path, tmp_path / "full.ckpt")
     assert _synced_after_publishing(synced, tmp_path / "full.ckpt"), synced
+
+
+def test_fabric_load_raw_reads_weights_only_unless_trusted():
+    """``fabric.load_raw(path, obj)`` hands the checkpoint IO ``weights_only=True`` unless the caller
+    said ``False``: Lightning reads ``None`` as ``False`` for remote paths, where code would run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_zero.fabric import checkpoint as fcheckpoint
+
+    asked: list = []
+
+    class RecordingIO:
+        def load_checkpoint(self, path, weights_only=None):
+            asked.append(weights_only)
+            return torch.nn.Linear(2, 2).state_dict()
+
+    strategy = SimpleNamespace(
+        _run=SimpleNamespace(shared_path=lambda path, device: str(path)),
+        root_device=torch.device("cpu"),
+        checkpoint_io=RecordingIO(),
+        _owns=lambda obj: False,
+    )
+    for given in (None, True, False):
+        fcheckpoint.load_raw(strategy, "https://example.invalid/w.pt", torch.nn.Linear(2, 2), True, given)
+    assert asked == [True, True, False]
