@@ -170,7 +170,7 @@ def _read_here(
         return checkpoint, (
             lambda rank, world: verify_records(p, rank=rank, world_size=world)
         ) if records else None
-    meta, metadata = inspect_sharded(p, trusted=trusted)
+    meta, metadata = inspect_sharded(p, trusted=trusted, verify=verify)
     layout = meta.pop(LAYOUT_KEY)
     record = layout.get("checksums")
     meta["state_dict"] = ShardedModelState(p, layout, metadata, trusted=trusted)

@@ -295,11 +295,7 @@ def verify_sharded(
     naming the file and the tensor. ``record``: the layout's ``checksums`` (None: none kept)."""
     if record is None:
         return
-    if file_crc(directory / DCP_METADATA_FILE) != record["metadata"]:
-        raise CheckpointError(
-            f"{directory / DCP_METADATA_FILE} is damaged: it does not match its checksum (CRC32 recorded "
-            f"{record['metadata']:08x}); load an earlier checkpoint"
-        )
+    verify_metadata_file(directory, record)
     want: dict[str, int] = record["chunks"]
     got = shard_checksums(directory, metadata, files)
     for index, info in metadata.storage_data.items():
@@ -310,6 +306,19 @@ def verify_sharded(
                 f"{tuple(index.offset) if index.offset is not None else ()} (bytes {info.offset}-{info.offset + info.length}) "
                 f"does not match its checksum (CRC32 recorded {want.get(key, 0):08x}); load an earlier checkpoint"
             )
+
+
+def verify_metadata_file(directory: Path, record: Mapping[str, Any] | None) -> None:
+    """DCP's ``.metadata`` as recorded, checked before it is parsed: a damaged file is named damaged
+    (not an error of the parser); nothing of it is unpickled first. ``record``: the layout's
+    ``checksums`` (None: none kept)."""
+    if record is None:
+        return
+    if file_crc(directory / DCP_METADATA_FILE) != record["metadata"]:
+        raise CheckpointError(
+            f"{directory / DCP_METADATA_FILE} is damaged: it does not match its checksum (CRC32 recorded "
+            f"{record['metadata']:08x}); load an earlier checkpoint"
+        )
 
 
 def files_of(metadata: Metadata) -> list[str]:

@@ -63,7 +63,13 @@ from lightning_zero.checkpoint.format import (
     _SavePlanner,
     load_pickled,
 )
-from lightning_zero.checkpoint.integrity import files_of, shard_checksums, sharded_record, verify_zip_records
+from lightning_zero.checkpoint.integrity import (
+    files_of,
+    shard_checksums,
+    sharded_record,
+    verify_metadata_file,
+    verify_zip_records,
+)
 from lightning_zero.checkpoint.layout import _group_params, _named_groups, _names, _slots
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.dtensor import local_of
@@ -288,10 +294,13 @@ class ShardedOptimizerState(ShardedModelState):
         return f"ShardedOptimizerState({str(self.path)!r}, optimizer={self.index})"
 
 
-def inspect_sharded(path: Path, *, trusted: bool = False) -> tuple[dict[str, Any], Metadata]:
+def inspect_sharded(
+    path: Path, *, trusted: bool = False, verify: bool = True
+) -> tuple[dict[str, Any], Metadata]:
     """``meta.pt``'s entries and DCP's metadata of a sharded checkpoint, after checking that every
     file it needs is there and long enough; otherwise a CheckpointError naming what is missing.
-    Nothing of either file runs unless ``trusted`` (``meta.pt`` only; see [Note: what loading runs])."""
+    Nothing of either file runs unless ``trusted`` (``meta.pt`` only; see [Note: what loading runs]).
+    ``verify``: ``.metadata`` is checked against its recorded checksum before it is parsed."""
     for name, why in ((DCP_METADATA_FILE, "DCP's index of the shards"), (META_FILE, "rank 0's entries")):
         if not (path / name).is_file():
             raise CheckpointError(
@@ -310,6 +319,8 @@ def inspect_sharded(path: Path, *, trusted: bool = False) -> tuple[dict[str, Any
         raise CheckpointError(
             f"{path} has layout version {layout['version']}; this lightning_zero reads up to {FORMAT_VERSION}"
         )
+    if verify:
+        verify_metadata_file(path, layout.get("checksums"))
     metadata = read_dcp_metadata(path)
     _check_storage(path, metadata)
     return dict(meta), metadata

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import stat
 import zipfile
 from pathlib import Path
@@ -100,7 +101,11 @@ def test_an_object_planted_in_meta_pt_is_refused_by_read_and_consolidate(tmp_pat
     assert marker.exists()  # --trusted: loaded as saved, as asked
 
 
-def test_an_object_planted_in_dcp_metadata_is_refused_before_its_checksum_is_checked(tmp_path):
+def test_an_object_planted_in_dcp_metadata_is_found_damaged_before_it_is_parsed_and_refused_unverified(
+    tmp_path,
+):
+    """The checksum is compared before ``.metadata`` is parsed (nothing of it is unpickled first):
+    a planted object makes it damaged; read without verification, the allow-list refuses it."""
     marker = tmp_path / "ran"
     path = _save_sharded(tmp_path / "a.ckpt", *_trained())
     metadata = read_dcp_metadata(path)
@@ -109,11 +114,25 @@ def test_an_object_planted_in_dcp_metadata_is_refused_before_its_checksum_is_che
         pickle.dump(metadata, f)
     _live(marker, lambda: FileSystemReader(str(path)).read_metadata())  # DCP's own reader runs it
     file = path / ".metadata"
-    _refused(marker, file, lambda: C.read(path, IO))  # not "damaged": refused before the checksum is read
-    _refused(marker, file, lambda: C.read(path, IO, weights_only=False))  # .metadata: never trusted
-    _refused(marker, file, lambda: C.consolidate(path, tmp_path / "out.ckpt"))
+    for load in (lambda: C.read(path, IO), lambda: C.read(path, IO, weights_only=False)):
+        with pytest.raises(C.CheckpointError, match=rf"{re.escape(str(file))} is damaged: it does not match"):
+            load()
+        assert not marker.exists()
+    _refused(marker, file, lambda: C.read(path, IO, verify=False))  # .metadata: never trusted
+    _refused(marker, file, lambda: C.read(path, IO, weights_only=False, verify=False))
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))  # the whole file a payload
-    _refused(marker, file, lambda: C.read(path, IO))
+    _refused(marker, file, lambda: C.read(path, IO, verify=False))
+
+
+def test_a_damaged_dcp_metadata_is_named_damaged(tmp_path):
+    """Bytes of ``.metadata`` flipped: the error says damaged, naming the file, not a parser's error."""
+    path = _save_sharded(tmp_path / "a.ckpt", *_trained())
+    data = bytearray((path / ".metadata").read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 16):
+        data[i] ^= 0xFF
+    (path / ".metadata").write_bytes(bytes(data))
+    with pytest.raises(C.CheckpointError, match=r"\.metadata is damaged: it does not match its checksum"):
+        C.read(path, IO)
 
 
 def _optimizer_with_object(value) -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
