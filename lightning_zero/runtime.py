@@ -79,6 +79,7 @@ class ZeroRun:
         self.init_rng: Tensor | None = None  # stage 3: the random state a meta-device model was built under
         self.watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
         self.failed = False  # this rank failed: no collective runs after it (faults.py)
+        self.backwards = 0  # backward passes this rank ran (agreed with the other ranks': signals.py)
 
     @property
     def comm(self) -> Communicator:

@@ -49,6 +49,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_zero.comm import Communicator
+from lightning_zero.comm.faults import CollectivesStopped
 from lightning_zero.faults import AgreedStop
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,19 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what the strategy takes over
 SIGNAL_BITS = {signal.SIGTERM: 1, signal.SIGUSR1: 2, signal.SIGINT: 4}  # this rank's flags
 LAST_BATCH = 8  # this rank is at its last batch of the epoch
+FLAG_BITS = 16  # the flags above live in the low bits; the counts of [Note: steps agreed] above them
+COUNT_BITS = 20  # each count is agreed modulo 2**20 (a desync shows within a batch, long before a wrap)
+_COUNT_MASK = (1 << COUNT_BITS) - 1
+
+
+def with_counts(flags: int, steps: int, backwards: int) -> int:
+    """``flags`` with this rank's optimizer steps and backward passes in the bits above them."""
+    return flags | (steps & _COUNT_MASK) << FLAG_BITS | (backwards & _COUNT_MASK) << (FLAG_BITS + COUNT_BITS)
+
+
+def counts_of(flags: int) -> tuple[int, int]:
+    """(optimizer steps, backward passes) packed by :func:`with_counts`."""
+    return flags >> FLAG_BITS & _COUNT_MASK, flags >> (FLAG_BITS + COUNT_BITS) & _COUNT_MASK
 
 
 class UnevenBatchesError(RuntimeError):
@@ -160,13 +174,17 @@ class StepBoundary:
             ]
         self.connector, self.trainer = None, None
 
-    def agree(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        """Before a training batch: every rank's signals and last-batch flag, on every rank."""
+    def agree(self, trainer: pl.Trainer, batch_idx: int, backwards: int) -> None:
+        """Before a training batch: every rank's signals, last-batch flag, optimizer steps and
+        backward passes, on every rank (see [Note: steps agreed])."""
         self._step_at_start = trainer.global_step
         flags = self.connector.bits() if self.connector is not None else 0
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             flags |= LAST_BATCH
+        flags = with_counts(flags, trainer.global_step, backwards)
         table = self.comm.agree(flags, name=f"{self.label}/agree/batch", device=trainer.strategy.root_device)
+        check_counts(table, batch_idx)
+        table = [f & ((1 << FLAG_BITS) - 1) for f in table]
         check_even(table, trainer, batch_idx)
         signalled = {r: names_of(f) for r, f in enumerate(table) if names_of(f)}
         if signalled and self.stop is None:
@@ -238,6 +256,33 @@ def _ranks(ranks: list[int]) -> str:
         ", ".join(map(str, ranks))
         if len(ranks) <= 8
         else f"{', '.join(map(str, ranks[:8]))} and {len(ranks) - 8} more"
+    )
+
+
+def check_counts(table: list[int], batch_idx: int) -> None:
+    """[Note: steps agreed] Every rank took as many optimizer steps and backward passes as the others
+    before this batch; else :class:`CollectivesStopped` on every rank, naming the counts.
+
+    A rank that skips ``optimizer.step()`` (a condition true on some ranks only), runs a backward
+    the others do not, or returns None from ``training_step`` on its own (Lightning then skips its
+    backward and step) is out of step with the others; its collectives may still pair with theirs
+    (stage 3 issues none at the step) and the run would end with a wrong model and exit 0. The
+    per-batch agreement, which every rank makes once per batch whatever it skipped, carries each
+    rank's counts, so the ranks stop together at the next batch, on every backend."""
+    counts = [counts_of(f) for f in table]
+    if len(set(counts)) == 1:
+        return
+    first = counts[0]
+    apart = [r for r, c in enumerate(counts) if c != first]
+    what = "optimizer steps" if any(c[0] != first[0] for c in counts) else "backward passes"
+    listing = "; ".join(
+        f"rank {r}: {c[0]} optimizer steps, {c[1]} backward passes" for r, c in enumerate(counts)
+    )
+    raise CollectivesStopped(
+        f"the ranks are out of step (a desync) before batch {batch_idx}: they took different numbers of "
+        f"{what} ({listing}; rank(s) {_ranks(apart)} differ from rank 0). Every rank must run the same "
+        "backward passes and optimizer steps: an optimizer.step() or manual_backward() skipped on some ranks, "
+        "or a training_step that returns None on some ranks only, trains each rank on other gradients"
     )
 
 

@@ -272,6 +272,7 @@ class ZeroStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Lightning's closure calls ``zero_grad`` between forward and backward: the gradients go back
         into their buckets before backward, so autograd accumulates there (no second copy)."""
+        self._run.backwards += 1  # agreed before every batch ([Note: steps agreed] in signals.py)
         if self._engine is not None:
             self._engine.prepare_backward(closure_loss)
 
@@ -418,7 +419,7 @@ class ZeroStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         self._run.ledger.begin_step(trainer.global_step)
         if self._boundary is not None:
-            self._boundary.agree(trainer, batch_idx)  # signals and last batches, every rank's
+            self._boundary.agree(trainer, batch_idx, self._run.backwards)  # signals, last batches, counts
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -419,3 +419,59 @@ def test_no_thread_of_the_package_outlives_fit(tmp_path):
     jobs = [functools.partial(_threads_after_fit, s) for s in STAGES]
     for rank in run_jobs(jobs, str(tmp_path / "ranks"), world=2, timeout=600):
         assert rank == [[] for _ in STAGES], rank
+
+
+# -- a step or a backward on some ranks only ----------------------------------------------------
+
+
+class SkipsOnOneRank(MatrixModule):
+    """Rank 1 alone skips something at batch 2: its optimizer step (manual optimization, the step's
+    condition true on one rank), or the whole batch (``training_step`` returns None)."""
+
+    def __init__(self, per_rank: int, what: str) -> None:
+        super().__init__(Case(manual=what == "step"), per_rank=per_rank)
+        self.what = what
+
+    def training_step(self, batch, batch_idx):
+        skip = batch_idx == 2 and self.global_rank == 1
+        if self.what == "batch":
+            return None if skip else super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        loss = self.net(*batch)
+        self.manual_backward(loss)
+        if not skip:
+            opt.step()
+        opt.zero_grad()
+        return None
+
+
+def _skips(stage: int, what: str, root: str) -> dict:
+    import time
+
+    start = time.monotonic()
+    result = _fit(SkipsOnOneRank(_per_rank(stage), what), stage, root)
+    return {**result, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("what", ["step", "batch"])
+def test_a_step_or_batch_skipped_on_one_rank_stops_every_rank_named(tmp_path, what):
+    """Stage 3 issues no collective at the optimizer step, so a rank that skipped one once trained
+    on with the others and every rank exited 0 with another model; stage 0 likewise. Now the
+    per-batch agreement carries each rank's optimizer steps and backward passes: every rank stops
+    at the next batch with a desync naming the counts. A whole batch skipped (``training_step``
+    returns None on one rank) is Lightning's own error there, which every rank names."""
+    for stage in (0, 3):  # a pair of processes each: a failed fit leaves its processes failed
+        jobs = [functools.partial(_skips, stage, what)]
+        for [result] in run_jobs(jobs, str(tmp_path / f"ranks{stage}"), world=2, timeout=600):
+            error = result["error"] or ""
+            if what == "batch":
+                assert "Skipping the `training_step` by returning None" in error, (stage, error)
+                continue
+            assert error.startswith(
+                "CollectivesStopped: the ranks are out of step (a desync) before batch 3"
+            ), (
+                stage,
+                error,
+            )
+            assert "rank 0: 3 optimizer steps" in error and "rank 1: 2 optimizer steps" in error, error
+            assert result["seconds"] < 60, result["seconds"]
