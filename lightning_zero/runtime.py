@@ -39,6 +39,7 @@ from lightning_zero.grad_sync import ZeroModule, broadcast_module_states
 from lightning_zero.imports import resolve_optimizer_classes
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import PrecisionPolicy, resolve_policy
+from lightning_zero.signals import check_counts, with_counts
 from lightning_zero.zero.deferred import meta_init
 from lightning_zero.zero.optimizer import check_shardable
 
@@ -80,6 +81,8 @@ class ZeroRun:
         self.watchdog: Watchdog | None = None  # heartbeat; reports stuck collectives (config.watchdog_s)
         self.failed = False  # this rank failed: no collective runs after it (faults.py)
         self.backwards = 0  # backward passes this rank ran (agreed with the other ranks': signals.py)
+        self.steps = 0  # optimizer steps this rank took (Fabric's count; the Trainer's is global_step)
+        self.forwards = 0  # training forwards (Fabric: each agreed first)
 
     @property
     def comm(self) -> Communicator:
@@ -120,6 +123,14 @@ class ZeroRun:
         True when it is a failure (not an agreed stop). No collective runs after it."""
         self.failed = faults.on_fit_exception(self.comm, exception, step=step)
         return self.failed
+
+    def agree_counts(self, where: str, device: torch.device) -> None:
+        """Every rank's optimizer steps and backward passes so far, compared on every rank: a
+        difference is a named desync on all of them (see [Note: steps agreed] in signals.py)."""
+        if self.comm.active:
+            flags = with_counts(0, self.steps, self.backwards)
+            table = self.comm.agree(flags, name=f"zero{self.config.stage}/agree/counts", device=device)
+            check_counts(table, where)
 
     # -- the model -------------------------------------------------------------------------------
 

@@ -183,7 +183,7 @@ class StepBoundary:
             flags |= LAST_BATCH
         flags = with_counts(flags, trainer.global_step, backwards)
         table = self.comm.agree(flags, name=f"{self.label}/agree/batch", device=trainer.strategy.root_device)
-        check_counts(table, batch_idx)
+        check_counts(table, f"batch {batch_idx}")
         table = [f & ((1 << FLAG_BITS) - 1) for f in table]
         check_even(table, trainer, batch_idx)
         signalled = {r: names_of(f) for r, f in enumerate(table) if names_of(f)}
@@ -259,16 +259,19 @@ def _ranks(ranks: list[int]) -> str:
     )
 
 
-def check_counts(table: list[int], batch_idx: int) -> None:
+def check_counts(table: list[int], where: str) -> None:
     """[Note: steps agreed] Every rank took as many optimizer steps and backward passes as the others
-    before this batch; else :class:`CollectivesStopped` on every rank, naming the counts.
+    before this batch (under Fabric: this training forward); else :class:`CollectivesStopped` on
+    every rank, naming the counts.
 
     A rank that skips ``optimizer.step()`` (a condition true on some ranks only), runs a backward
     the others do not, or returns None from ``training_step`` on its own (Lightning then skips its
     backward and step) is out of step with the others; its collectives may still pair with theirs
     (stage 3 issues none at the step) and the run would end with a wrong model and exit 0. The
     per-batch agreement, which every rank makes once per batch whatever it skipped, carries each
-    rank's counts, so the ranks stop together at the next batch, on every backend."""
+    rank's counts, so the ranks stop together at the next batch, on every backend. Fabric has no
+    batches: its glue agrees the counts before every training forward (grad mode on, the model in
+    training mode), one small all-reduce of host memory on the side group."""
     counts = [counts_of(f) for f in table]
     if len(set(counts)) == 1:
         return
@@ -279,7 +282,7 @@ def check_counts(table: list[int], batch_idx: int) -> None:
         f"rank {r}: {c[0]} optimizer steps, {c[1]} backward passes" for r, c in enumerate(counts)
     )
     raise CollectivesStopped(
-        f"the ranks are out of step (a desync) before batch {batch_idx}: they took different numbers of "
+        f"the ranks are out of step (a desync) before {where}: they took different numbers of "
         f"{what} ({listing}; rank(s) {_ranks(apart)} differ from rank 0). Every rank must run the same "
         "backward passes and optimizer steps: an optimizer.step() or manual_backward() skipped on some ranks, "
         "or a training_step that returns None on some ranks only, trains each rank on other gradients"

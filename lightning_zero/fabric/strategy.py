@@ -232,8 +232,16 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         if self.config.stage != 3:  # stage 3 takes rank 0's values unit by unit (or builds them)
             self._run.broadcast_states(module)
         self._wrapped = self._run.wrap(module, self._optimizers, self.root_device)
-        self._wrapped.register_forward_pre_hook(self._close, prepend=True)
+        self._wrapped.register_forward_pre_hook(self._before_forward, prepend=True)
         _optimizers_to_device(self._optimizers, self.root_device)
+
+    def _before_forward(self, module: nn.Module, *_: Any) -> None:
+        """Training began; before a training forward the ranks' steps and backward passes are
+        agreed (see [Note: steps agreed] in signals.py: Fabric has no per-batch agreement)."""
+        self._close()
+        if torch.is_grad_enabled() and module.training:
+            self._run.forwards += 1
+            self._run.agree_counts(f"training forward {self._run.forwards}", self.root_device)
 
     def _close(self, *_: Any) -> None:
         """Training began (a forward, ``no_backward_sync``): the optimizers set up so far are all the
@@ -287,6 +295,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine.before_step(self._optimizers[index], index)
         output = super().optimizer_step(optimizer, **kwargs)
         engine.after_step(self._optimizers[index], index)
+        self._run.steps += 1
         if index == 0:
             self.ledger.begin_step(self.ledger.step + 1)
         return output
@@ -296,6 +305,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         """A backward that raised before is noticed first (see [Note: a backward that raised])."""
         if self._run.engine is not None:
             self._run.engine.prepare_backward(tensor)
+        self._run.backwards += 1
         super().backward(tensor, module, *args, **kwargs)
 
     @override

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.fault_harness import free_port
 
@@ -210,3 +211,52 @@ def test_ranks_started_like_torchrun_both_exit_1_with_the_reason(tmp_path, faili
     assert "PeerFailure" not in outputs[failing]
     assert ended[failing] > ended[other] - 0.1, ended  # the failing rank leaves last (polled every 0.05 s)
     assert max(ended.values()) - raised["time"] < BOUND_S, (raised, ended)
+
+
+def _one_rank_out_of_step(fabric, out: Path, what: str) -> None:
+    """Rank 1 alone skips its optimizer step at step 2 (``what="step"``), or runs one more forward
+    and backward there (``"backward"``); each rank writes what its loop raised."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    data = torch.Generator().manual_seed(fabric.global_rank)
+    outcome = "completed"
+    try:
+        for step in range(6):
+            x = torch.randn(4, 8, generator=data)
+            fabric.backward((model(x) - x.sum(1, keepdim=True)).pow(2).mean())
+            if fabric.global_rank == 1 and step == 2 and what == "backward":
+                fabric.backward((model(x) - x.sum(1, keepdim=True)).pow(2).mean())
+            if not (fabric.global_rank == 1 and step == 2 and what == "step"):
+                optimizer.step()
+            optimizer.zero_grad()
+    except Exception as err:  # noqa: BLE001  (the test asserts on it)
+        outcome = f"{type(err).__name__}: {err}"
+    (out / f"rank{fabric.global_rank}").write_text(outcome)
+
+
+@pytest.mark.parametrize(("stage", "what"), [(3, "step"), (0, "step"), (3, "backward")])
+def test_a_step_skipped_or_a_backward_added_on_one_rank_is_a_named_desync(tmp_path, stage, what):
+    """Before every training forward the ranks agree their optimizer steps and backward passes
+    (Fabric has no per-batch agreement): rank 1 skipping a step, or running one more backward, once
+    trained on with the others at stages 0 and 3 (no collective at the step) and exited 0."""
+    import torch  # noqa: F401  (the loop's)
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=stage, start_method="fork")
+    try:
+        Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_one_rank_out_of_step, tmp_path, what)
+    except Exception:  # noqa: BLE001  (the launcher re-raises a rank's error; the files say which)
+        pass
+    for rank in (0, 1):
+        outcome = (tmp_path / f"rank{rank}").read_text()
+        assert outcome.startswith(
+            "CollectivesStopped: the ranks are out of step (a desync) before training forward"
+        ), (
+            rank,
+            outcome,
+        )
