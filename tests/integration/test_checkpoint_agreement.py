@@ -132,10 +132,10 @@ def _missing_shards_on_one_rank(rank: int, world_size: int, out: str) -> dict:
     original = C.inspect_sharded
     if rank == 1:  # as if this node's copy of last.ckpt had lost a file
 
-        def inspect(p, *, trusted=False):
+        def inspect(p, *, trusted=False, verify=True):
             if p.name == "last.ckpt":
                 raise FileNotFoundError(f"{p / '__1_0.distcp'} is missing on this node")
-            return original(p, trusted=trusted)
+            return original(p, trusted=trusted, verify=verify)
 
         C.inspect_sharded = inspect
     loaded = C.read_or_fallback(path, IO, comm=comm)
