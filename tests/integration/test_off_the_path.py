@@ -14,10 +14,10 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.zero.optimizer import ShardingError, check_shardable, mark_elementwise
+from tests.bigmodel.lit import quiet_trainer
 from tests.matrix.lit import BATCH, WORLD, Case, MatrixModule
 from tests.matrix.runner import BLOCK, run_jobs
 
@@ -27,18 +27,9 @@ STAGES = (0, 1, 2, 3)
 def _trainer(stage: int | None, root: str, *, precision: str = "32-true", max_epochs: int = 1, **options):
     if stage == 3:
         options.setdefault("wrap_policy", BLOCK)
-    return Trainer(
-        strategy=ZeroStrategy(stage=stage, **options) if stage is not None else "auto",
-        accelerator="cpu",
-        devices=WORLD if stage is not None else 1,
-        precision=precision,
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    strategy = ZeroStrategy(stage=stage, **options) if stage is not None else "auto"
+    devices = WORLD if stage is not None else 1
+    return quiet_trainer(strategy, root, devices=devices, max_epochs=max_epochs, precision=precision)
 
 
 def _per_rank(stage: int | None) -> int:
