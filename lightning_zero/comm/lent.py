@@ -17,10 +17,20 @@ back here after its wait. An alias the backend no longer holds (use count 1: onl
 is dropped at once, on the waiting thread; one it still holds is kept until it lets go, checked
 at every later give-back and, at exit, before the process group goes (a bounded wait). The
 caller's tensors are never touched: dropping them later is ordinary.
+
+Temporaries this package does not hand over itself (those of torch's object collectives, of
+Lightning's own collectives, or a storage whose Python object torch keeps for its C++ owner)
+can still be dropped by a backend thread a moment after their wait returned. So at exit, before
+the interpreter finalizes, :func:`quiesce` also waits (bounded, sleeping so that those threads can
+take the GIL) until no other thread of the process is running: a backend thread busy dropping a
+finished work shows as running; idle ones wait on a condition or a socket. Read from
+``/proc/self/task`` (Linux); elsewhere a short sleep stands for it.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import deque
 
@@ -61,6 +71,47 @@ class Lent:
         while any(_held(a) for _, a in self._kept) and time.monotonic() < deadline:
             time.sleep(0.001)
         self._kept.clear()
+        quiesce()
+
+
+IDLE_CHECKS = 3  # looks in a row with no other thread running before the backend counts as idle
+
+
+def quiesce(timeout_s: float = 0.25, poll_s: float = 0.002) -> bool:
+    """Wait until no other thread of this process is running, at most ``timeout_s``; whether they
+    settled (see [Note: tensors lent to the backend])."""
+    deadline = time.monotonic() + timeout_s
+    idle = 0
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)  # the GIL is free meanwhile: a backend thread dropping a Python object finishes
+        running = _others_running()
+        if running is None:  # no /proc: the sleep was all there is
+            return True
+        idle = idle + 1 if not running else 0
+        if idle >= IDLE_CHECKS:
+            return True
+    return False
+
+
+def _others_running() -> bool | None:
+    """Whether a thread of this process other than the caller is running (state R); None: unknown."""
+    me = str(threading.get_native_id())
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        state = stat[stat.rindex(b")") + 2 :][:1]  # the field after the thread's name
+        if state == b"R":
+            return True
+    return False
 
 
 def _held(aliases: tuple[Tensor, ...]) -> bool:

@@ -4,6 +4,7 @@ autograd graph stands for the backend's hold: a C++ reference the caller does no
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
@@ -53,3 +54,23 @@ def test_drain_waits_a_bounded_time_for_a_hold_that_never_ends():
     lent.drain(timeout_s=0.2)
     assert 0.2 <= time.monotonic() - start < 2.0
     assert not lent._kept
+
+
+def test_quiesce_waits_for_a_running_thread_and_returns_when_all_are_idle():
+    """At exit the other threads are given the GIL until none is running (bounded)."""
+    from lightning_zero.comm.lent import quiesce
+
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    busy.start()
+    try:
+        start = time.monotonic()
+        assert quiesce(timeout_s=0.1) is False  # a thread kept running: the wait is bounded
+        assert time.monotonic() - start < 1.0
+    finally:
+        stop.set()
+        busy.join()
+    idle = threading.Thread(target=stop.wait)  # waits on a condition, as an idle backend thread
+    idle.start()
+    assert quiesce(timeout_s=1.0) is True
+    idle.join()
