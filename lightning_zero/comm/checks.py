@@ -78,21 +78,22 @@ OPS = (
     "checkpoint",
     "lightning",
 )  # a row's op column is the index in this tuple plus one
-FLAGS, SEQ, OP, NBYTES, NAME = range(5)  # the columns of a row
+FLAGS, SEQ, OP, NBYTES, NAME, DIGEST = range(6)  # the columns of a row
 _SIDE_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(process group) -> (that group, its SideGroup)
-COLUMNS = 5
+COLUMNS = 6
 
 
-def row_of(issued: Issued, flags: int = 0) -> list[int]:
-    """The row a rank writes for ``issued`` (see [Note: checked issue])."""
+def row_of(issued: Issued, flags: int = 0, digest: int = 0) -> list[int]:
+    """The row a rank writes for ``issued`` (see [Note: checked issue]); ``digest``: an
+    agreement's (see [Note: digest since the last agreement] in tracker.py)."""
     op = OPS.index(issued.op) + 1 if issued.op in OPS else len(OPS) + 1
-    return [flags, issued.seq, op, issued.nbytes, zlib.crc32(issued.name.encode())]
+    return [flags, issued.seq, op, issued.nbytes, zlib.crc32(issued.name.encode()), digest]
 
 
 def in_step(rows: list[list[int]]) -> bool:
-    """Whether every rank's row names the same collective (flags aside)."""
-    first = rows[0][SEQ:]
-    return all(r[SEQ:] == first for r in rows[1:])
+    """Whether every rank's row names the same collective (flags and digest aside)."""
+    first = rows[0][SEQ:DIGEST]
+    return all(r[SEQ:DIGEST] == first for r in rows[1:])
 
 
 def issued_from_row(row: list[int]) -> Issued:
@@ -113,7 +114,7 @@ class SideGroup:
         self.group = group  # torch ProcessGroup (gloo), for tables only
         self.table = torch.zeros(
             world_size, COLUMNS, dtype=torch.int64
-        )  # (N, 5), host; every use is synchronous
+        )  # (N, COLUMNS), host; every use is synchronous
         self.count = 0  # tables exchanged: equal on every rank up to a desync (they pair one to one)
 
     @classmethod
@@ -228,13 +229,38 @@ def deviation_report(me: int, states: dict[int, RankState], deviating: list[int]
     return "\n".join(lines + _read_at_rest(states))
 
 
+def digest_report(agreement: Issued, entries: list[list[Issued]], ranks: list[int]) -> str:
+    """The desync an agreement found by its digests (see [Note: digest since the last agreement] in
+    tracker.py): the first collective since the previous agreement where the ranks' entries differ
+    (``entries``: each rank's, in group order; ``ranks``: their world ranks)."""
+    length = min(len(e) for e in entries)
+    first = next((i for i in range(length) if len({e[i] for e in entries}) > 1), length)
+    lines = [
+        f"lightning_zero: the ranks are out of step (a desync) at {agreement.describe()}: since the "
+        "previous agreement they issued different collectives, which paired with each other and "
+        "completed (collectives of one size pair whatever they carry; on NCCL none is checked before "
+        "it is issued). Every rank must issue the same collectives in the same order: a branch taken "
+        "on some ranks only (a different unit, a skipped or added collective) trains each rank on "
+        "other values. The first that differs:"
+    ]
+    for r, mine in zip(ranks, entries):
+        what = (
+            mine[first].describe() if first < len(mine) else f"nothing more ({len(mine)} collectives in all)"
+        )
+        lines.append(f"  rank {r}: {what}")
+    return "\n".join(lines + _read_at_rest_names([e[first].name for e in entries if first < len(e)]))
+
+
 AT_REST = "/at_rest/"  # in the names of the collectives a read of a stage-3 parameter at rest makes
 
 
 def _read_at_rest(states: dict[int, RankState]) -> list[str]:
     """The advice for a desync that a read of a parameter at rest made (a norm, a sum, a whole
     value): such a read is a collective, which ranks that do not run the same code never join."""
-    names = [s.current().name for s in states.values() if s.current() is not None]
+    return _read_at_rest_names([s.current().name for s in states.values() if s.current() is not None])
+
+
+def _read_at_rest_names(names: list[str]) -> list[str]:
     reads = sorted({name.split(AT_REST, 1)[1] for name in names if AT_REST in name})
     if not reads:
         return []

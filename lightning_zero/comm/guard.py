@@ -9,8 +9,19 @@ import sys
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
+from typing import Any
 
-from lightning_zero.comm.checks import desync_report, elsewhere, in_step, issued_from_row, row_of, signature
+import torch.distributed as dist
+
+from lightning_zero.comm.checks import (
+    desync_report,
+    digest_report,
+    elsewhere,
+    in_step,
+    issued_from_row,
+    row_of,
+    signature,
+)
 from lightning_zero.comm.faults import CollectivesStopped, StoreUnreachable
 from lightning_zero.comm.tracker import Issued, RankState
 
@@ -55,10 +66,11 @@ class CheckedIssue:
             self.ledger.add_wait(timed_as, time.perf_counter() - start)
         self.schedule.checked(sig, expectable=expectable)
 
-    def _exchange(self, issued: Issued, flags: int) -> list[list[int]]:
-        """Every rank's row (``flags`` and its collective) on every rank, over the side group;
-        rows that name different collectives stop every rank with :class:`CollectivesStopped`."""
-        work = self.side.launch(self.rank, row_of(issued, flags))
+    def _exchange(self, issued: Issued, flags: int, digest: int = 0) -> list[list[int]]:
+        """Every rank's row (``flags``, its collective, an agreement's ``digest``) on every rank, over
+        the side group; rows that name different collectives stop every rank with
+        :class:`CollectivesStopped`."""
+        work = self.side.launch(self.rank, row_of(issued, flags, digest))
         self.wait_for(work, issued, blocking=True)
         rows = self.side.rows()
         if not in_step(rows):
@@ -80,6 +92,21 @@ class CheckedIssue:
                 self.board.note(self.me, issued.describe())
             except StoreUnreachable:
                 pass
+        raise error
+
+    def _stop_for_digests(self, issued: Issued, since: list[Issued]) -> None:
+        """The agreement ``issued`` found that the ranks issued different collectives since the last
+        one (see [Note: digest since the last agreement] in tracker.py): every rank exchanges its
+        entries, names the first that differs and raises :class:`CollectivesStopped`."""
+        entries: list[Any] = [None] * self.world_size
+        mine = [tuple(e) for e in since]
+        with self.tracker.blocked_in(issued):
+            dist.all_gather_object(entries, mine, group=self.side.group)
+        report = digest_report(issued, [[Issued(*e) for e in rank] for rank in entries], self.members)
+        print(report, file=sys.stderr, flush=True)
+        self.stop_reason = report
+        error = CollectivesStopped(report)
+        self.mark_failed(error)
         raise error
 
     def _desync_states(self, issued: Issued, rows: list[list[int]]) -> dict[int, RankState]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.checks import FLAGS
+from lightning_zero.comm.checks import DIGEST, FLAGS
 from lightning_zero.comm.faults import looks_like_comm_error
 from lightning_zero.comm.lent import lend
 from lightning_zero.comm.waiting import Handle
@@ -59,9 +59,15 @@ class ObjectCollectives:
             self._check_can_issue(name)
             nbytes = self.side.table.numel() * self.side.table.element_size()
             self.ledger.record_control(nbytes, self.world_size)
+            world = self._root is self  # the digest covers every group's collectives: the world's agreement
+            digest, since = (self.tracker.digest, self.tracker.since) if world else (0, [])
             issued = self.tracker.issue("agree", name, nbytes)
             with torch.profiler.record_function(name):
-                rows = self._exchange(issued, flags)
+                rows = self._exchange(issued, flags, digest)
+            if world:
+                self.tracker.agreed()
+                if len({row[DIGEST] for row in rows}) > 1:
+                    self._stop_for_digests(issued, since)
             return [row[FLAGS] for row in rows]
         table = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         table[self.rank] = flags

@@ -9,17 +9,33 @@ but a different op or name, are out of step for good: a desync. The numbers are 
 messages and the watchdog's report print (``all_gather #57 zero3/all_gather/unit=blocks.3``).
 The tracker is written by the training thread and read by the watchdog thread; each field is
 replaced by one assignment, which a reader sees whole.
+
+[Note: digest since the last agreement]
+Numbers alone do not show *which* collective a rank issued: on NCCL no collective is checked
+before it is issued (and on gloo the learned schedule skips the checks), so when ranks take
+different branches and issue different units of the same size, the all-gathers pair across units
+and complete. So the tracker also folds every collective it issues (op, payload bytes, name) into
+a running digest and keeps the entries since the last agreement; the agreements the glues make
+(the Trainer once per batch, Fabric before each training forward) carry the digest, and digests
+that differ stop every rank at that agreement, naming the first entry that differs (the entries
+are exchanged only then). Both are reset at each agreement; past ``SINCE_MAX`` entries without
+one only the digest goes on. Folding costs two cached lookups and a multiply per collective.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 RECENT = 16  # collectives each rank keeps for the watchdog's comparison (see [Note: the watchdog])
+SINCE_MAX = 1 << 14  # entries kept since the last agreement (see [Note: digest since the last agreement])
+_MIX, _MOD = 0x100000001B3, (1 << 61) - 1  # the digest: a polynomial over the entries' codes, mod a prime
+_CRC: dict[str, int] = {}  # name or op -> CRC32, for the names seen (bounded: _CRC_MAX)
+_CRC_MAX = 4096
 
 
 class Issued(NamedTuple):
@@ -57,6 +73,15 @@ class RankState(NamedTuple):
         return f"{where} is not in a collective: its last was {self.last.describe()}, {self.for_s:.0f} s ago"
 
 
+def _crc(text: str) -> int:
+    crc = _CRC.get(text)
+    if crc is None:
+        crc = zlib.crc32(text.encode())
+        if len(_CRC) < _CRC_MAX:
+            _CRC[text] = crc
+    return crc
+
+
 def format_nbytes(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -76,12 +101,21 @@ class CollectiveTracker:
         self.track_pending = False  # keep issued works until they complete (the watchdog on NCCL)
         self._pending: deque[tuple[Issued, Any, float]] = deque()  # (issued, torch Work, when), oldest first
         self.recent: deque[Issued] = deque(maxlen=RECENT)  # the latest issued, oldest first
+        self.digest = 0  # of the collectives issued since the last agreement
+        self.since: list[Issued] = []  # those collectives (at most SINCE_MAX), oldest first
 
     def issue(self, op: str, name: str, nbytes: int) -> Issued:
         self.seq += 1
         self.last, self.last_at = Issued(self.seq, op, name, nbytes), time.monotonic()
         self.recent.append(self.last)
+        self.digest = (self.digest * _MIX + (_crc(name) << 32 ^ _crc(op)) + nbytes) % _MOD
+        if len(self.since) < SINCE_MAX:
+            self.since.append(self.last)
         return self.last
+
+    def agreed(self) -> None:
+        """An agreement compared the digests: start anew (see [Note: digest since the last agreement])."""
+        self.digest, self.since = 0, []
 
     def launched(self, issued: Issued, work: Any) -> None:
         """``issued`` is in flight as ``work`` (kept only while the watchdog needs it)."""

@@ -103,8 +103,49 @@ def test_an_unchecked_desync_is_found_by_the_watchdog_on_every_rank(tmp_path):
         assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
         assert "the ranks are out of step (a desync)" in o.error
         assert f"rank 0 ({HOST}) waits in all_reduce #4 zero0/all_reduce/bucket=1 (16 B)" in o.error
-        assert f"rank 1 ({HOST}) waits in agree #4 zero0/agree/batch (80 B)" in o.error
+        assert f"rank 1 ({HOST}) waits in agree #4 zero0/agree/batch (96 B)" in o.error
         assert o.seconds < BOUND_S, o.seconds
+
+
+def _same_size_units(rank: int, world_size: int, checked: bool) -> str:
+    """Stage 3 with a branch taken on one rank: rank 1 gathers another unit of the same size, which
+    pairs with rank 0's and completes; the next agreement compares what each rank issued."""
+    comm = _comm(checked=checked)
+    comm.agree(0, name="zero3/agree/batch", device=torch.device("cpu"))  # the previous batch's
+    for unit in ("blocks.0", "blocks.1" if rank == 1 else "blocks.0", "blocks.2"):
+        comm.all_gather(torch.zeros(8 * world_size), torch.ones(8), name=f"zero3/all_gather/unit={unit}")
+    comm.agree(0, name="zero3/agree/batch", device=torch.device("cpu"))
+    return "completed"
+
+
+def test_same_size_collectives_of_different_units_are_named_at_the_next_agreement(tmp_path):
+    """As on NCCL (no check per collective): the units' all-gathers pair across units and complete;
+    the agreement's digests differ and every rank names the first collective that differs."""
+    outcomes = run_ranks(_same_size_units, 2, tmp_path, False, timeout=90)
+    for o in outcomes:
+        assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert "out of step (a desync) at agree #7 zero3/agree/batch" in o.error, o.error
+        assert "rank 0: all_gather #5 zero3/all_gather/unit=blocks.0 (64 B)" in o.error
+        assert "rank 1: all_gather #5 zero3/all_gather/unit=blocks.1 (64 B)" in o.error
+        assert o.seconds < BOUND_S, o.seconds
+
+
+def test_the_same_collectives_agree_with_the_check_off(tmp_path):
+    """The digest compares what was issued, not when: ranks in step pass every agreement."""
+    outcomes = run_ranks(_same_units, 2, tmp_path, timeout=90)
+    assert [(o.exitcode, o.result) for o in outcomes] == [(0, "completed")] * 2, outcomes
+
+
+def _same_units(rank: int, world_size: int) -> str:
+    comm = _comm(checked=False)
+    for step in range(3):
+        for unit in ("blocks.0", "blocks.1"):
+            size = 8 + step
+            comm.all_gather(
+                torch.zeros(size * world_size), torch.ones(size), name=f"zero3/all_gather/unit={unit}"
+            )
+        comm.agree(0, name="zero3/agree/batch", device=torch.device("cpu"))
+    return "completed"
 
 
 def _slow_peer(rank: int, world_size: int) -> float:
