@@ -54,7 +54,13 @@ for certain, which it publishes (every rank stops, named, as after a failed chec
 slice or two. A rank held in a wait that no Python code interrupts (one of Lightning's own
 collectives) is stopped by the watchdog as any desync is. Collectives whose sizes the package does
 not know (Lightning's own, tracked) and control collectives are never expected: they are always
-checked. The per-batch agreement still compares the ranks' positions once per batch.
+checked. The per-batch agreement still compares the ranks' positions once per batch; it takes
+part in the schedule (never expected), and posts a deviation where another collective was
+expected (a rank that skipped its optimizer step, and the all-gathers after it, while the others
+wait in them). A posted deviation is matched against every collective a rank issued since the
+last agreement (not a fixed window: stage 1 launches every bucket before it waits for the first),
+and a waiting rank reads two counters per poll: the deviations are read again only after another
+was posted.
 """
 
 from __future__ import annotations
@@ -196,7 +202,7 @@ class Schedule:
 
 def elsewhere(rows: list[list[int]], me: int) -> list[int]:
     """The ranks whose row names another collective than ``me``'s."""
-    return [r for r, row in enumerate(rows) if row[SEQ:] != rows[me][SEQ:]]
+    return [r for r, row in enumerate(rows) if row[SEQ:DIGEST] != rows[me][SEQ:DIGEST]]
 
 
 def desync_report(me: int, states: dict[int, RankState], others: list[int], ranks: list[int]) -> str:

@@ -109,6 +109,7 @@ class FaultBoard:
         self.prefix = prefix  # e.g. "lightning_zero/0/"
         self.rank = rank
         self.world_size = world_size
+        self._deviations: tuple[int, dict[int, Issued]] = (0, {})  # (the counter when read, what was read)
 
     @classmethod
     def open(cls, store: Any, rank: int, world_size: int) -> FaultBoard:
@@ -227,14 +228,20 @@ class FaultBoard:
         self._count("deviations", 1)
 
     def deviations(self) -> dict[int, Issued]:
-        """Every other rank's latest posted deviation (nothing read but one counter when none was)."""
-        if not self._count("deviations"):
-            return {}
-        return {
-            r: Issued(*self._get(f"deviation/{r}"))
-            for r in range(self.world_size)
-            if r != self.rank and self._has(f"deviation/{r}")
-        }
+        """Every other rank's latest posted deviation. One store read (a counter) per call; the
+        deviations themselves are read again only after another was posted, so that waiting ranks
+        poll at a cost that does not grow with N or with the deviations a run has seen."""
+        count = self._count("deviations")
+        if count != self._deviations[0]:
+            self._deviations = (
+                count,
+                {
+                    r: Issued(*self._get(f"deviation/{r}"))
+                    for r in range(self.world_size)
+                    if r != self.rank and self._has(f"deviation/{r}")
+                },
+            )
+        return self._deviations[1]
 
     def post_collective(self, check: int | str, issued: Issued) -> None:
         """This rank's collective at its ``check``-th table, which did not match (for its name)."""

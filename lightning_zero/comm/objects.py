@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.comm.checks import DIGEST, FLAGS
-from lightning_zero.comm.faults import looks_like_comm_error
+from lightning_zero.comm.checks import DIGEST, FLAGS, signature
+from lightning_zero.comm.faults import StoreUnreachable, looks_like_comm_error
 from lightning_zero.comm.lent import lend
+from lightning_zero.comm.tracker import Issued
 from lightning_zero.comm.waiting import Handle
 
 
@@ -62,8 +63,11 @@ class ObjectCollectives:
             world = self._root is self  # the digest covers every group's collectives: the world's agreement
             digest, since = (self.tracker.digest, self.tracker.since) if world else (0, [])
             issued = self.tracker.issue("agree", name, nbytes)
+            self._post_if_unexpected(issued)
             with torch.profiler.record_function(name):
                 rows = self._exchange(issued, flags, digest)
+            if self.check_issue:
+                self.schedule.checked(signature(issued), expectable=False)
             if world:
                 self.tracker.agreed()
                 if len({row[DIGEST] for row in rows}) > 1:
@@ -75,6 +79,20 @@ class ObjectCollectives:
         nbytes = table.numel() * table.element_size()
         self._issue("agree", name, nbytes, launch, control=True, lent=(table,)).wait()
         return table.tolist()
+
+    def _post_if_unexpected(self, issued: Issued) -> None:
+        """An agreement where the learned schedule expected another collective (a rank that skipped
+        its optimizer step, and with it the step's all-gathers): posted as a deviation, so that
+        ranks waiting in the expected collective, unchecked, stop within a wait slice (see [Note:
+        learned schedule] in checks.py) instead of at the watchdog."""
+        if not self.check_issue or self.board is None:
+            return
+        expected = self.schedule.expected()
+        if expected is not None and expected != signature(issued):
+            try:
+                self.board.post_deviation(issued)
+            except StoreUnreachable:
+                pass
 
     def all_gather_object(self, obj: Any, *, name: str) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order, on every rank (synchronous)."""

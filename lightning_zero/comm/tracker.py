@@ -113,6 +113,15 @@ class CollectiveTracker:
             self.since.append(self.last)
         return self.last
 
+    def issued_at(self, seq: int) -> Issued | None:
+        """The collective issued under ``seq``, if it is among those since the last agreement (or
+        the latest ``RECENT``)."""
+        since = self.since
+        at = seq - since[0].seq if since else -1
+        if 0 <= at < len(since):
+            return since[at]
+        return next((i for i in tuple(self.recent) if i.seq == seq), None)
+
     def agreed(self) -> None:
         """An agreement compared the digests: start anew (see [Note: digest since the last agreement])."""
         self.digest, self.since = 0, []

@@ -259,8 +259,8 @@ class Waits:
         posted = self.board.deviations()
         if not posted:
             return
-        mine = {i.seq: i for i in tuple(self.tracker.recent)}
-        apart = {r: i for r, i in posted.items() if i.seq in mine and signature(mine[i.seq]) != signature(i)}
+        mine = {i.seq: self.tracker.issued_at(i.seq) for i in posted.values()}
+        apart = {r: i for r, i in posted.items() if mine[i.seq] is not None and signature(mine[i.seq]) != signature(i)}
         if not apart:
             return
         seq = min(i.seq for i in apart.values())

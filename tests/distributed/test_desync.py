@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 
+import pytest
 import torch
 
 from lightning_zero.comm import Communicator
@@ -146,6 +147,32 @@ def _same_units(rank: int, world_size: int) -> str:
             )
         comm.agree(0, name="zero3/agree/batch", device=torch.device("cpu"))
     return "completed"
+
+
+def _many_in_flight(rank: int, world_size: int, in_flight: int) -> str:
+    """Stage 1's pattern: every bucket's all-reduce launched, then waited; learned over three steps.
+    At the fourth, rank 1 issues another collective first: rank 0 issues all ``in_flight`` expected
+    ones unchecked and waits in the first, far behind its latest 16."""
+    comm = _comm()
+    for step in range(4):
+        if step == 3 and rank == 1:
+            comm.all_reduce(torch.ones(2), name="zero1/all_reduce/other", async_op=False)
+        handles = [comm.all_reduce(torch.ones(4), name=f"zero1/all_reduce/bucket={b}") for b in range(in_flight)]
+        for handle in handles:
+            handle.wait()
+    return "completed"
+
+
+@pytest.mark.parametrize("in_flight", [20, 64])
+def test_a_deviation_behind_many_collectives_in_flight_is_named_without_the_watchdog(tmp_path, in_flight):
+    outcomes = run_ranks(_many_in_flight, 2, tmp_path, in_flight, timeout=90)
+    first = 3 + 3 * in_flight  # the fourth step's first collective (#1: the hosts, #2: the warm-up)
+    for o in outcomes:
+        assert o.exitcode == 1 and o.error is not None and o.error.startswith("CollectivesStopped: "), o
+        assert "out of step (a desync)" in o.error, o.error
+        assert f"all_reduce #{first} zero1/all_reduce/bucket=0 (16 B)" in o.error, o.error
+        assert f"all_reduce #{first} zero1/all_reduce/other (8 B)" in o.error, o.error
+        assert o.seconds < BOUND_S, o.seconds
 
 
 def _slow_peer(rank: int, world_size: int) -> float:

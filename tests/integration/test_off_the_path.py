@@ -466,3 +466,17 @@ def test_a_step_or_batch_skipped_on_one_rank_stops_every_rank_named(tmp_path, wh
             )
             assert "rank 0: 3 optimizer steps" in error and "rank 1: 2 optimizer steps" in error, error
             assert result["seconds"] < 60, result["seconds"]
+
+
+def test_a_step_skipped_on_one_rank_at_stages_1_and_2_stops_every_rank_within_seconds(tmp_path):
+    """Stages 1-2 all-gather the updated shards after the step: the rank that skipped it goes on to
+    the next batch's agreement while the others wait in the all-gather, which the learned schedule
+    issued unchecked. The agreement posts its deviation, so every rank stops named within a wait
+    slice or two, not at the watchdog (60 s)."""
+    for stage in (1, 2):
+        jobs = [functools.partial(_skips, stage, "step")]
+        for [result] in run_jobs(jobs, str(tmp_path / f"ranks{stage}"), world=2, timeout=600):
+            error = result["error"] or ""
+            assert error.startswith("CollectivesStopped: ") and "out of step (a desync)" in error, (stage, error)
+            assert "waited 6" not in error, error  # not the watchdog's report
+            assert result["seconds"] < 30, (stage, result["seconds"])
