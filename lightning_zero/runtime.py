@@ -25,11 +25,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
 from lightning_zero.allocator import tune_cpu_allocator
 from lightning_zero.comm import CommLedger, Communicator
+from lightning_zero.comm.collectives import is_distributed
 from lightning_zero.comm.mesh import sharding_comm
 from lightning_zero.comm.waiting import stop_waiter
 from lightning_zero.comm.watchdog import Watchdog
@@ -123,6 +125,33 @@ class ZeroRun:
         True when it is a failure (not an agreed stop). No collective runs after it."""
         self.failed = faults.on_fit_exception(self.comm, exception, step=step)
         return self.failed
+
+    @contextmanager
+    def foreign(self, op: str, data: Any = None) -> Generator[None, None, None]:
+        """Around the framework's own collective ``op`` (an all-gather, a reduce) of ``data``:
+        numbered, checked on gloo before it starts with its tensors' shapes in its name and their
+        bytes (ranks that gather different shapes stop, named, where gloo would abort one), and
+        known to the watchdog while it blocks."""
+        if not is_distributed():
+            yield
+            return
+        leaves = [t for t in tree_leaves(data) if isinstance(t, Tensor)]
+        shapes = " ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in leaves[:4])
+        more = f" +{len(leaves) - 4}" if len(leaves) > 4 else ""
+        nbytes = sum(t.numel() * t.element_size() for t in leaves)
+        with self.comm.tracked(f"lightning/{op} {shapes}{more}".rstrip(), nbytes):
+            yield
+
+    def barrier(self, name: str | None) -> None:
+        """The framework's barrier, through the communicator: a peer's failure ends it too."""
+        if is_distributed():
+            self.comm.barrier(name=f"lightning/{name or 'barrier'}", control=True)
+
+    def broadcast(self, obj: Any, src: int, device: torch.device) -> Any:
+        """The framework's object broadcast, through the communicator as the barrier."""
+        if not is_distributed():
+            return obj
+        return self.comm.broadcast_object(obj, src=src, name="lightning/broadcast", device=device, control=True)
 
     def agree_counts(self, where: str, device: torch.device) -> None:
         """Every rank's optimizer steps and backward passes so far, compared on every rank: a

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
-from lightning_zero.comm import CommLedger, Communicator, is_distributed
+from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import Engine
 from lightning_zero.grad_sync import ZeroModule
@@ -424,37 +424,24 @@ class ZeroStrategy(DDPStrategy):
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         """Lightning's barriers go through the communicator: a peer's failure ends them too."""
-        if is_distributed():
-            self.comm.barrier(name=f"lightning/{name or 'barrier'}", control=True)
+        self._run.barrier(name)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Lightning's reduce (``self.log(sync_dist=True)``), tracked for the watchdog (watchdog.py)."""
-        with self._tracked("lightning/reduce"):
+        with self._run.foreign("reduce", tensor):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Lightning's all-gather, tracked for the watchdog as the reduce is."""
-        with self._tracked("lightning/all_gather"):
+        """Lightning's all-gather, tracked and checked with its shapes (ZeroRun.foreign)."""
+        with self._run.foreign("all_gather", tensor):
             return super().all_gather(tensor, group, sync_grads)
-
-    @contextmanager
-    def _tracked(self, name: str) -> Generator[None, None, None]:
-        if not is_distributed():
-            yield
-            return
-        with self.comm.tracked(name):  # numbered, checked before it starts, known to the watchdog
-            yield
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's object broadcasts go through the communicator, as the barriers do."""
-        if not is_distributed():
-            return obj
-        return self.comm.broadcast_object(
-            obj, src=src, name="lightning/broadcast", device=self.root_device, control=True
-        )
+        return self._run.broadcast(obj, src, self.root_device)
 
     @override
     def teardown(self) -> None:

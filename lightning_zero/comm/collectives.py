@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import multiprocessing.util
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,10 +81,17 @@ def _destroy_at_exit() -> None:
     A gloo group left alive at exit can abort the process ("terminate called without an active
     exception") while its worker threads are destroyed; Lightning only registers this clean-up for
     NCCL. First the backend gives back what it holds (see [Note: tensors lent to the backend] in
-    lent.py). Registered once, by the first Communicator.
+    lent.py). Registered once, by the first Communicator, with ``atexit`` and as a multiprocessing
+    finalizer: a rank started by fork ends with ``os._exit`` after multiprocessing's finalizers,
+    without ``atexit``, and rank 0 must still linger for its peers after a failure. The finalizer's
+    priority (0) lets multiprocessing's queues flush first (the launcher's results).
     """
+    done: list[bool] = []
 
     def destroy() -> None:
+        if done:
+            return
+        done.append(True)
         LENT.drain()  # see [Note: tensors lent to the backend] in lent.py
         if not is_distributed():
             return
@@ -94,6 +102,7 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
     atexit.register(destroy)
+    multiprocessing.util.Finalize(None, destroy, exitpriority=0)
 
 
 _REDUCE_OPS = {

@@ -129,14 +129,15 @@ class CheckedIssue:
         return states
 
     @contextmanager
-    def tracked(self, name: str) -> Generator[None, None, None]:
-        """Around a collective this package does not issue (Lightning's own reduce or all-gather):
-        numbered, checked on gloo before it starts, and known to the watchdog while it blocks."""
+    def tracked(self, name: str, nbytes: int = 0) -> Generator[None, None, None]:
+        """Around a collective this package does not issue (Lightning's own reduce or all-gather of
+        ``nbytes``): numbered, checked on gloo before it starts, and known to the watchdog while it
+        blocks."""
         if not self.active:
             yield
             return
         self._check_can_issue(name)
-        issued = self.tracker.issue("lightning", name, 0)
+        issued = self.tracker.issue("lightning", name, nbytes)
         self._check(issued)
         with self.tracker.blocked_in(issued):
             yield

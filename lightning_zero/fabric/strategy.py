@@ -335,6 +335,28 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         return engine.clip_grad_norm_(optimizer, float(max_norm), error_if_nonfinite=error_if_nonfinite)
 
     @override
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
+        """Fabric's all-reduce, tracked and checked with its shapes (ZeroRun.foreign)."""
+        with self._run.foreign("reduce", tensor):
+            return super().all_reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Fabric's all-gather, tracked and checked with its shapes (ZeroRun.foreign)."""
+        with self._run.foreign("all_gather", tensor):
+            return super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Fabric's barrier goes through the communicator: a peer's failure ends it too."""
+        self._run.barrier(None)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Fabric's object broadcast goes through the communicator, as the barrier does."""
+        return self._run.broadcast(obj, src, self.root_device)
+
     def module_to_device(self, module: nn.Module) -> None:
         """Stage 3 places only shards on the device, unit by unit, when the model is set up (a model
         built on the meta device cannot move before it has values); the other stages move it whole."""

@@ -260,3 +260,34 @@ def test_a_step_skipped_or_a_backward_added_on_one_rank_is_a_named_desync(tmp_pa
             rank,
             outcome,
         )
+
+
+def _gathers_other_shapes(fabric, out: Path) -> None:
+    """Each rank all-gathers a tensor of its own shape (a metric computed on uneven data)."""
+    outcome = "completed"
+    try:
+        fabric.barrier()
+        gathered = fabric.all_gather(torch.ones(2 + fabric.global_rank, 3))
+        outcome = f"completed {tuple(gathered.shape)}"
+    except Exception as err:  # noqa: BLE001  (the test asserts on it)
+        outcome = f"{type(err).__name__}: {err}"
+    (out / f"rank{fabric.global_rank}").write_text(outcome)
+
+
+def test_fabric_all_gather_of_different_shapes_is_a_named_desync_on_every_rank(tmp_path):
+    """Fabric's own collectives were not seen by the package: gloo pairs the differently sized
+    gathers and aborts a process from C++. Now they are checked as the package's own are."""
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=2, start_method="fork")
+    try:
+        Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_gathers_other_shapes, tmp_path)
+    except Exception:  # noqa: BLE001  (the launcher re-raises a rank's error; the files say which)
+        pass
+    for rank in (0, 1):
+        outcome = (tmp_path / f"rank{rank}").read_text()
+        assert outcome.startswith("CollectivesStopped: ") and "out of step (a desync)" in outcome, (rank, outcome)
+        assert "lightning/all_gather float32[2, 3] (24 B)" in outcome, outcome
+        assert "lightning/all_gather float32[3, 3] (36 B)" in outcome, outcome

@@ -480,3 +480,24 @@ def test_a_step_skipped_on_one_rank_at_stages_1_and_2_stops_every_rank_within_se
             assert error.startswith("CollectivesStopped: ") and "out of step (a desync)" in error, (stage, error)
             assert "waited 6" not in error, error  # not the watchdog's report
             assert result["seconds"] < 30, (stage, result["seconds"])
+
+
+class GathersOtherShapes(MatrixModule):
+    """At batch 1 each rank all-gathers a tensor of its own shape with Lightning's ``all_gather``."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.all_gather(torch.ones(2 + self.global_rank, 3))
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightning_all_gather_of_different_shapes_is_a_named_desync_on_every_rank(tmp_path):
+    """Lightning's own ``self.all_gather`` with another shape on each rank aborted gloo on rank 0
+    (SIGABRT) while rank 1 blamed a dead rank: its check compared no sizes. Now the shapes and
+    bytes are in what every rank compares before it starts."""
+    jobs = [functools.partial(_fit, GathersOtherShapes(Case(), per_rank=_per_rank(2)), 2)]
+    for [result] in run_jobs(jobs, str(tmp_path / "ranks"), world=2, timeout=600):
+        error = result["error"] or ""
+        assert error.startswith("CollectivesStopped: ") and "out of step (a desync)" in error, error
+        assert "lightning/all_gather float32[2, 3] (24 B)" in error, error
+        assert "lightning/all_gather float32[3, 3] (36 B)" in error, error
