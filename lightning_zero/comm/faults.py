@@ -312,6 +312,9 @@ class Liveness:
     def lost(self) -> tuple[list[RankInfo], float | None]:
         """The lost peers, and how long their heartbeat stood still (None: found by their pid)."""
         gone = [i for i in self.ranks if i.rank != self.me and process_exists(i) is False]
+        if gone:  # not those that noted themselves on the board before they left (they said a word)
+            noted = self.board.noted()
+            gone = [i for i in gone if i.rank not in noted]
         if gone:
             return gone, None
         now = time.monotonic()

@@ -304,6 +304,9 @@ class Waits:
             if stop is not None:  # the peer that found the desync left first: this rank names it too
                 return CollectivesStopped(stop)
             gone = [i for i in self.ranks if i.rank != self.me and process_exists(i) is False]
+            if gone:  # a rank that noted itself before it left stopped for a reason of its own: not lost
+                noted = self.board.noted()
+                gone = [i for i in gone if i.rank not in noted]
             if gone and not self.board.fault_count():  # dead for sure, and said nothing: no need to wait
                 return PeerFailure(lost_message(gone, self.me, where, err), lost=gone)
             faults, silent = self.board.wait_for_cause(self.fault_wait_s)

@@ -79,6 +79,29 @@ def test_a_killed_rank_is_named_with_its_host_and_the_collective_its_peer_was_in
     assert rank0.exitcode == 1
 
 
+def _one_of_four_killed(rank: int, world_size: int) -> str:
+    """Rank 3 is killed; ranks 1 and 2 notice first and leave with their own report; rank 0 comes to
+    its collective last, when three of its peers are gone."""
+    comm = _comm()
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(4.0 if rank == 0 else 0.5)
+    comm.all_reduce(torch.ones(4), name="zero0/all_reduce/bucket=0", async_op=False)
+    return "completed"
+
+
+def test_with_four_ranks_only_the_killed_one_is_named_gone_without_a_word(tmp_path):
+    """Ranks that stopped with their own report (they noted themselves on the board) were named
+    "gone without a word" beside the killed one; now only the killed rank is."""
+    outcomes = run_ranks(_one_of_four_killed, 4, tmp_path, timeout=120)
+    assert outcomes[3].exitcode == -signal.SIGKILL
+    for o in outcomes[:3]:
+        assert o.error is not None and o.error.startswith("PeerFailure: "), o
+        assert f"rank 3 ({HOST}, pid " in o.error, o.error
+        for other in {1, 2} - {o.rank}:
+            assert f"rank {other} ({HOST}" not in o.error, o.error
+
+
 def _desync(rank: int, world_size: int) -> str:
     """The ranks issue different collectives: rank 0 an all-gather, rank 1 a reduce-scatter."""
     comm = _comm(watchdog_s=1.0)
