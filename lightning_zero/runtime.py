@@ -151,7 +151,9 @@ class ZeroRun:
         """The framework's object broadcast, through the communicator as the barrier."""
         if not is_distributed():
             return obj
-        return self.comm.broadcast_object(obj, src=src, name="lightning/broadcast", device=device, control=True)
+        return self.comm.broadcast_object(
+            obj, src=src, name="lightning/broadcast", device=device, control=True
+        )
 
     def agree_counts(self, where: str, device: torch.device) -> None:
         """Every rank's optimizer steps and backward passes so far, compared on every rank: a

@@ -18,6 +18,7 @@ chunks. Tied parameters are saved once, under their first name (``meta.pt`` list
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from lightning_zero.checkpoint.format import (
     _optimizer_prefix,
     _SavePlanner,
     load_pickled,
+    refusal,
 )
 from lightning_zero.checkpoint.integrity import (
     files_of,
@@ -364,7 +366,13 @@ def _load_items(
     try:
         comm.load_checkpoint_items(dest, reader, planner, name=name, local=local)
     except CheckpointException as err:
-        refused = [e for e, _ in err.failures.values() if isinstance(e, UnsafeCheckpointError)]
+        failures = [e for e, _ in err.failures.values()]
+        refused = [e for e in failures if isinstance(e, UnsafeCheckpointError)]
+        refused += [  # a tensor record DCP read itself, weights_only, that held an object instead
+            refusal(f"{st.path} (a tensor record of one of its shard files)", e)
+            for e in failures
+            if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e)
+        ]
         if not refused:
             raise
         raise UnsafeCheckpointError(str(refused[0])) from err

@@ -260,7 +260,11 @@ class Waits:
         if not posted:
             return
         mine = {i.seq: self.tracker.issued_at(i.seq) for i in posted.values()}
-        apart = {r: i for r, i in posted.items() if mine[i.seq] is not None and signature(mine[i.seq]) != signature(i)}
+        apart = {
+            r: i
+            for r, i in posted.items()
+            if mine[i.seq] is not None and signature(mine[i.seq]) != signature(i)
+        }
         if not apart:
             return
         seq = min(i.seq for i in apart.values())

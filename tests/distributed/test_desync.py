@@ -157,7 +157,9 @@ def _many_in_flight(rank: int, world_size: int, in_flight: int) -> str:
     for step in range(4):
         if step == 3 and rank == 1:
             comm.all_reduce(torch.ones(2), name="zero1/all_reduce/other", async_op=False)
-        handles = [comm.all_reduce(torch.ones(4), name=f"zero1/all_reduce/bucket={b}") for b in range(in_flight)]
+        handles = [
+            comm.all_reduce(torch.ones(4), name=f"zero1/all_reduce/bucket={b}") for b in range(in_flight)
+        ]
         for handle in handles:
             handle.wait()
     return "completed"

@@ -288,6 +288,9 @@ def test_fabric_all_gather_of_different_shapes_is_a_named_desync_on_every_rank(t
         pass
     for rank in (0, 1):
         outcome = (tmp_path / f"rank{rank}").read_text()
-        assert outcome.startswith("CollectivesStopped: ") and "out of step (a desync)" in outcome, (rank, outcome)
+        assert outcome.startswith("CollectivesStopped: ") and "out of step (a desync)" in outcome, (
+            rank,
+            outcome,
+        )
         assert "lightning/all_gather float32[2, 3] (24 B)" in outcome, outcome
         assert "lightning/all_gather float32[3, 3] (36 B)" in outcome, outcome

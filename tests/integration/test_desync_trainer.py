@@ -248,7 +248,9 @@ def test_a_collective_skipped_by_one_rank_is_found_by_the_watchdog(tmp_path):
     for run in runs:
         assert run.returncode == 1, run.output[-4000:]
         assert "the ranks are out of step (a desync)" in run.output, run.output[-4000:]
-        assert re.search(rf"rank 0 \({HOST}\) waits in lightning #(\d+) lightning/reduce float32\[\] \(4 B\)", run.output)
+        assert re.search(
+            rf"rank 0 \({HOST}\) waits in lightning #(\d+) lightning/reduce float32\[\] \(4 B\)", run.output
+        )
         assert re.search(rf"rank 1 \({HOST}\) waits in \w+ #(\d+) zero2/\S+ \(\d+ B\)", run.output)
     assert max(after) < BOUND_S, (
         after

@@ -477,7 +477,10 @@ def test_a_step_skipped_on_one_rank_at_stages_1_and_2_stops_every_rank_within_se
         jobs = [functools.partial(_skips, stage, "step")]
         for [result] in run_jobs(jobs, str(tmp_path / f"ranks{stage}"), world=2, timeout=600):
             error = result["error"] or ""
-            assert error.startswith("CollectivesStopped: ") and "out of step (a desync)" in error, (stage, error)
+            assert error.startswith("CollectivesStopped: ") and "out of step (a desync)" in error, (
+                stage,
+                error,
+            )
             assert "waited 6" not in error, error  # not the watchdog's report
             assert result["seconds"] < 30, (stage, result["seconds"])
 

@@ -15,6 +15,7 @@ import pickle
 import re
 import stat
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,41 @@ def test_fabric_load_raw_reads_weights_only_unless_trusted():
     for given in (None, True, False):
         fcheckpoint.load_raw(strategy, "https://example.invalid/w.pt", torch.nn.Linear(2, 2), True, given)
     assert asked == [True, True, False]
+
+
+def test_an_object_planted_in_a_tensor_record_with_its_checksum_rewritten_is_refused_by_name(
+    tmp_path, capsys
+):
+    """A tensor record of a shard replaced by a pickled object, and its checksum in meta.pt rewritten
+    to match (who can write the one can write the other): DCP reads tensor records itself,
+    weights_only, and refused it, but the error was DCP's CheckpointException with torch's advice to
+    set weights_only=False. Now it is an UnsafeCheckpointError naming the checkpoint, on load and
+    on consolidate."""
+    marker = tmp_path / "ran"
+    model, optimizer = _trained()
+    path = _save_sharded(tmp_path / "a.ckpt", model, optimizer)
+    _, metadata = C.inspect_sharded(path)
+    info = next(v for i, v in metadata.storage_data.items() if i.fqn.endswith("exp_avg"))
+    planted = io.BytesIO()
+    torch.save(Payload(marker), planted, _use_new_zipfile_serialization=False)
+    record = planted.getvalue().ljust(info.length, b"\0")
+    assert len(record) == info.length
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(record)
+    meta = torch.load(path / "meta.pt", weights_only=False)  # our own file, written above
+    chunks = meta["lightning_zero"]["checksums"]["chunks"]
+    chunks[integrity.chunk_key(info.relative_path, info.offset, info.length)] = zlib.crc32(record)
+    torch.save(meta, path / "meta.pt")
+    fresh, fresh_opt = _trained(seed=11)
+    state = C.read(path, IO)["optimizer_states"][0]
+    for load in (
+        lambda: C.load_sharded_optimizer(fresh, None, Communicator(), fresh_opt, state),
+        lambda: C.consolidate(path, tmp_path / "out.ckpt"),
+    ):
+        with pytest.raises(C.UnsafeCheckpointError) as caught:
+            load()
+        assert str(path) in str(caught.value) and REFUSED in str(caught.value), caught.value
+        assert not marker.exists()
+    assert main(["consolidate", str(path), str(tmp_path / "cli.ckpt")]) != 0  # one line, no traceback
+    assert "holds an object" in capsys.readouterr().err
