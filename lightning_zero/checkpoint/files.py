@@ -115,9 +115,11 @@ SERIES = re.compile(r"last(-v\d+)?\.ckpt|hpc_ckpt_\d+\.ckpt")  # names whose fal
 
 
 def fallbacks(path: Path) -> list[Path]:
-    """Where to look when the checkpoint at ``path`` is missing or damaged, best first: its kept
-    previous version, then, for ``last.ckpt`` and ``hpc_ckpt_<n>.ckpt`` (whatever checkpoint is the
-    latest), every older ``*.ckpt`` in its folder, newest first."""
+    """Where to look when the checkpoint at ``path`` is missing or damaged, newest first: its kept
+    previous version and, for ``last.ckpt`` and ``hpc_ckpt_<n>.ckpt`` (whatever checkpoint is the
+    latest), every older ``*.ckpt`` in its folder. The previous version is ordered by its time like
+    the others: a top-k checkpoint saved after it (step 12 beside a previous ``last.ckpt`` of step 8)
+    comes first, so no intact newer checkpoint is passed over."""
     out = [p for p in (_sibling(path, "previous"),) if _exists(p)]
     if not SERIES.fullmatch(path.name) or not path.parent.is_dir():
         return out
@@ -127,7 +129,14 @@ def fallbacks(path: Path) -> list[Path]:
         for p in path.parent.iterdir()
         if p.suffix == ".ckpt" and not p.name.startswith(".") and p != path and p.stat().st_mtime <= limit
     ]
-    return out + sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(out + others, key=_mtime, reverse=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # a link to nothing: last
+        return float("-inf")
 
 
 def remove(path: str | Path, checkpoint_io: CheckpointIO) -> None:

@@ -200,3 +200,24 @@ def test_lightning_names_the_checkpoint_it_restored_after_a_fall_back(tmp_path):
     assert (
         out["resumed"]["step"] == 6
     )  # resumed from the first epoch's end (6 steps an epoch), not from scratch
+
+
+def test_a_damaged_last_falls_back_to_the_newest_intact_checkpoint_not_to_its_older_previous(tmp_path):
+    """``last.ckpt`` (step 14) damaged, its kept ``.last.ckpt.previous`` of step 8, and a top-k
+    checkpoint of step 12 saved in between: step 12 is read. Before, the previous version came
+    first whatever its age, and an intact newer checkpoint in the folder was passed over."""
+    import os
+
+    from lightning_zero.checkpoint.files import fallbacks
+
+    io = TorchCheckpointIO()
+    steps = {".last.ckpt.previous": 8, "epoch=0-step=4.ckpt": 4, "epoch=2-step=12.ckpt": 12, "last.ckpt": 14}
+    for name, step in steps.items():
+        torch.save({"global_step": step, "state_dict": {"w": torch.full((2,), float(step))}}, tmp_path / name)
+        os.utime(tmp_path / name, (1_000_000 + step, 1_000_000 + step))
+    (tmp_path / "last.ckpt").write_bytes(b"damaged")
+    os.utime(tmp_path / "last.ckpt", (1_000_014, 1_000_014))
+    names = [p.name for p in fallbacks(tmp_path / "last.ckpt")]
+    assert names == ["epoch=2-step=12.ckpt", ".last.ckpt.previous", "epoch=0-step=4.ckpt"]
+    loaded = C.read_or_fallback(tmp_path / "last.ckpt", io)
+    assert loaded.loaded_from == str(tmp_path / "epoch=2-step=12.ckpt")
