@@ -6,14 +6,15 @@ handler saves a checkpoint there: a collective at whatever point each rank happe
 its forward, one between two buckets, one writing a file), which under ZeRO, where saving is
 itself a collective, hangs or saves half a step. With ``handle_signals`` the strategy replaces
 Lightning's signal connector (:class:`StopSignals`): SIGTERM, SIGUSR1 and SIGINT only append to a
-list. Before every training batch all ranks exchange a few bits each (:meth:`StepBoundary.agree`:
+list. After every training batch (its optimizer step, and the user's callbacks, done) all ranks
+exchange a few bits each (:meth:`StepBoundary.agree`:
 one AllReduce of a host table of N rows on the communicator's gloo side group, which replaces
 Lightning's own per-batch broadcast of its SIGTERM flag; on a GPU it costs no device-to-host
 synchronisation, and it checks that the ranks are at the same collective, see [Note: checked
 issue] in ``comm/checks.py``):
-which signals each rank has received, and whether this is its last batch of the epoch. A signal
-on any rank makes every rank finish the optimizer step under way and then, at the end of the same
-batch everywhere, save ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (full or sharded, as
+which signals each rank has received, and whether this was its last batch of the epoch. A signal
+on any rank makes every rank stop after the optimizer step under way when it arrived: at the end
+of that batch everywhere (of the accumulation window's last batch, inside one), save ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (full or sharded, as
 configured), ask SLURM to requeue the job when SLURM sent its requeue signal (SIGUSR1 by default,
 ``SLURMEnvironment.requeue_signal``), print why, and leave fit with status 128 + the signal's
 number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT) through :class:`~lightning_zero.faults.AgreedStop`.
@@ -27,7 +28,8 @@ predict) a signal makes Lightning's evaluation loop stop on that rank at its nex
 
 The same bits catch uneven data: ranks that do not all reach their last batch at the same batch
 would pair up their collectives wrongly (a hang, or gradients averaged across different steps);
-every rank raises :class:`UnevenBatchesError` at that batch instead, before any collective of it.
+every rank raises :class:`UnevenBatchesError` at the end of the last batch they share, before any
+collective of the next.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NamedTuple
@@ -145,7 +147,7 @@ class StepBoundary:
         self.trainer: pl.Trainer | None = None  # the trainer it is installed on
         self._step_at_start = -1  # global_step when the current batch started
 
-    def install(self, trainer: pl.Trainer, *, handle_signals: bool) -> None:
+    def install(self, trainer: pl.Trainer, *, handle_signals: bool, backwards: Callable[[], int]) -> None:
         """Take over Lightning's signal handling for this run (and its per-batch broadcast)."""
         self.stop, self._step_at_start, self.trainer = None, -1, trainer
         if handle_signals:
@@ -154,7 +156,7 @@ class StepBoundary:
             # Lightning's own per-batch broadcast of its SIGTERM flag: replaced by the agreement
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
         if not any(isinstance(c, _StopAtStepEnd) for c in trainer.callbacks):
-            trainer.callbacks.append(_StopAtStepEnd(self))
+            trainer.callbacks.append(_StopAtStepEnd(self, backwards))
 
     @contextmanager
     def saving(self) -> Generator[None, None, None]:
@@ -174,18 +176,21 @@ class StepBoundary:
             ]
         self.connector, self.trainer = None, None
 
-    def agree(self, trainer: pl.Trainer, batch_idx: int, backwards: int) -> None:
-        """Before a training batch: every rank's signals, last-batch flag, optimizer steps and
-        backward passes, on every rank (see [Note: steps agreed])."""
+    def begin(self, trainer: pl.Trainer) -> None:
+        """Before a training batch (no collective): where the batch starts."""
         self._step_at_start = trainer.global_step
+
+    def agree(self, trainer: pl.Trainer, batch_idx: int, backwards: int) -> None:
+        """After a training batch: every rank's signals, last-batch flag, optimizer steps and
+        backward passes, on every rank (see [Note: steps agreed])."""
         flags = self.connector.bits() if self.connector is not None else 0
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             flags |= LAST_BATCH
         flags = with_counts(flags, trainer.global_step, backwards)
         table = self.comm.agree(flags, name=f"{self.label}/agree/batch", device=trainer.strategy.root_device)
-        check_counts(table, f"batch {batch_idx}")
+        check_counts(table, f"at the end of batch {batch_idx}")
         table = [f & ((1 << FLAG_BITS) - 1) for f in table]
-        check_even(table, trainer, batch_idx)
+        check_even(table, trainer, batch_idx, self._step_at_start)
         signalled = {r: names_of(f) for r, f in enumerate(table) if names_of(f)}
         if signalled and self.stop is None:
             self.stop = StopRequest(trainer.global_step, signalled)
@@ -261,17 +266,18 @@ def _ranks(ranks: list[int]) -> str:
 
 def check_counts(table: list[int], where: str) -> None:
     """[Note: steps agreed] Every rank took as many optimizer steps and backward passes as the others
-    before this batch (under Fabric: this training forward); else :class:`CollectivesStopped` on
-    every rank, naming the counts.
+        before this batch (under Fabric: this training forward); else :class:`CollectivesStopped` on
+        every rank, naming the counts.
 
-    A rank that skips ``optimizer.step()`` (a condition true on some ranks only), runs a backward
-    the others do not, or returns None from ``training_step`` on its own (Lightning then skips its
-    backward and step) is out of step with the others; its collectives may still pair with theirs
-    (stage 3 issues none at the step) and the run would end with a wrong model and exit 0. The
-    per-batch agreement, which every rank makes once per batch whatever it skipped, carries each
-    rank's counts, so the ranks stop together at the next batch, on every backend. Fabric has no
-    batches: its glue agrees the counts before every training forward (grad mode on, the model in
-    training mode), one small all-reduce of host memory on the side group."""
+        A rank that skips ``optimizer.step()`` (a condition true on some ranks only), runs a backward
+        the others do not, or returns None from ``training_step`` on its own (Lightning then skips its
+        backward and step) is out of step with the others; its collectives may still pair with theirs
+        (stage 3 issues none at the step) and the run would end with a wrong model and exit 0. The
+        per-batch agreement, which every rank makes once per batch whatever it skipped, carries each
+        rank's counts, so the ranks stop together at the end of that batch, on every backend (``where``
+    says where: "at the end of batch 2", "before training forward 4"). Fabric has no
+        batches: its glue agrees the counts before every training forward (grad mode on, the model in
+        training mode), one small all-reduce of host memory on the side group."""
     counts = [counts_of(f) for f in table]
     if len(set(counts)) == 1:
         return
@@ -282,22 +288,23 @@ def check_counts(table: list[int], where: str) -> None:
         f"rank {r}: {c[0]} optimizer steps, {c[1]} backward passes" for r, c in enumerate(counts)
     )
     raise CollectivesStopped(
-        f"the ranks are out of step (a desync) before {where}: they took different numbers of "
+        f"the ranks are out of step (a desync) {where}: they took different numbers of "
         f"{what} ({listing}; rank(s) {_ranks(apart)} differ from rank 0). Every rank must run the same "
         "backward passes and optimizer steps: an optimizer.step() or manual_backward() skipped on some ranks, "
         "or a training_step that returns None on some ranks only, trains each rank on other gradients"
     )
 
 
-def check_even(table: list[int], trainer: pl.Trainer, batch_idx: int) -> None:
-    """Every rank at its last batch, or none: else :class:`UnevenBatchesError` on every rank."""
+def check_even(table: list[int], trainer: pl.Trainer, batch_idx: int, step: int | None = None) -> None:
+    """Every rank at its last batch, or none: else :class:`UnevenBatchesError` on every rank.
+    ``step``: the global step the batch started at (None: the trainer's now)."""
     last = [r for r, f in enumerate(table) if f & LAST_BATCH]
     if not last or len(last) == len(table):
         return
     more = [r for r, f in enumerate(table) if not f & LAST_BATCH]
     raise UnevenBatchesError(
         f"the ranks have different numbers of training batches in epoch {trainer.current_epoch}: rank(s) "
-        f"{_ranks(last)} reach their last batch at batch {batch_idx} (step {trainer.global_step}), rank(s) "
+        f"{_ranks(last)} reach their last batch at batch {batch_idx} (step {trainer.global_step if step is None else step}), rank(s) "
         f"{_ranks(more)} have more. Every rank must run as many batches per epoch as the others, or their "
         "collectives pair up wrongly (a hang, or gradients of different steps averaged). Use Lightning's "
         "DistributedSampler (use_distributed_sampler=True pads the ranks to equal length), give every "
@@ -312,8 +319,12 @@ def _no_broadcast() -> None:
 class _StopAtStepEnd(Callback):
     """Runs :meth:`StepBoundary.after_batch` after the user's callbacks (ModelCheckpoint included)."""
 
-    def __init__(self, boundary: StepBoundary) -> None:
+    def __init__(self, boundary: StepBoundary, backwards: Callable[[], int]) -> None:
         self.boundary = boundary
+        self.backwards = backwards  # the backward passes this rank ran so far
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.boundary.agree(trainer, batch_idx, self.backwards())  # signals, last batches, counts
         self.boundary.after_batch(trainer)

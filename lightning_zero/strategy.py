@@ -216,7 +216,9 @@ class ZeroStrategy(DDPStrategy):
             sharded = self._config.state_dict_type == "sharded"
             checkpoints.check_writable(_checkpoint_folders(trainer), self.comm, every_rank=sharded)
         self._boundary = StepBoundary(self.comm, f"zero{self._config.stage}")
-        self._boundary.install(trainer, handle_signals=self._config.handle_signals)
+        self._boundary.install(
+            trainer, handle_signals=self._config.handle_signals, backwards=lambda: self._run.backwards
+        )
         if self.is_global_zero:
             _clear_stale_partials(trainer)
         if fitting:
@@ -419,7 +421,7 @@ class ZeroStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         self._run.ledger.begin_step(trainer.global_step)
         if self._boundary is not None:
-            self._boundary.agree(trainer, batch_idx, self._run.backwards)  # signals, last batches, counts
+            self._boundary.begin(trainer)  # agreed at the batch's end (signals.py)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -241,7 +241,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._close()
         if torch.is_grad_enabled() and module.training:
             self._run.forwards += 1
-            self._run.agree_counts(f"training forward {self._run.forwards}", self.root_device)
+            self._run.agree_counts(f"before training forward {self._run.forwards}", self.root_device)
 
     def _close(self, *_: Any) -> None:
         """Training began (a forward, ``no_backward_sync``): the optimizers set up so far are all the

@@ -459,7 +459,7 @@ def test_a_step_or_batch_skipped_on_one_rank_stops_every_rank_named(tmp_path, wh
                 assert "Skipping the `training_step` by returning None" in error, (stage, error)
                 continue
             assert error.startswith(
-                "CollectivesStopped: the ranks are out of step (a desync) before batch 3"
+                "CollectivesStopped: the ranks are out of step (a desync) at the end of batch 2"
             ), (
                 stage,
                 error,

@@ -40,7 +40,7 @@ def test_sigterm_during_a_full_save_neither_hangs_nor_loses_the_save(tmp_path):
         **ONE_BATCH_EPOCHS,
     )
     runs = finish(start("sigterm-in-save", 2, tmp_path, **options), timeout=150)
-    _assert_stopped(runs, tmp_path, signal_name="SIGTERM", ranks="0", saved_step=3)
+    _assert_stopped(runs, tmp_path, signal_name="SIGTERM", ranks="0", saved_step=2)  # the step under way
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2  # completed
     assert abs(runs[0].seconds - runs[1].seconds) < 8
 
@@ -51,7 +51,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_next_step_and_the_run_resum
     ranks.procs[1].send_signal(signal.SIGTERM)  # what SLURM sends on scancel, requeue, preemption
     runs = finish(ranks, timeout=150)
     saved = torch.load(tmp_path / "run" / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"]
-    assert 4 <= saved <= 6, saved  # the step under way when the ranks agreed, or the one after
+    assert 3 <= saved <= 5, saved  # the step under way when the signal came (its batch agreed at its end)
     _assert_stopped(runs, tmp_path / "run", signal_name="SIGTERM", ranks="1", saved_step=saved)
 
     resumed = finish(
