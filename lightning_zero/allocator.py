@@ -22,6 +22,15 @@ fault their pages in again every step: on the 0.8M-parameter gpt_small of docs/b
 whose attention scores and MLP activations are exactly 4 MiB, that is 7-10% of a step at every
 stage (zero0 within the noise of DDP with ``cpu_allocator="default"``, 10-14% behind it tuned).
 
+It is applied only for the stages that free memory while they train (2 and 3: setup frees the
+unsharded model, and every step frees gradient buckets or gathered units). Stages 0 and 1 keep
+their buckets for the whole run and free nothing a user would see: tuned, they only paid for the
+activations mapped anew (zero0 against DDP on gpt_small: 0.906x tuned, 0.970x with glibc's
+defaults), so they are left on glibc's defaults. A threshold derived from the blocks a stage frees
+(its units' size instead of 4 MiB) was tried: stage 3's whole-run peak on the memory-order model
+rose above stage 2's (755 against 721 MiB), since blocks below a unit (gradients as autograd
+makes them, optimizer temporaries) then stay in the heap; 4 MiB stays.
+
 It is applied once per process, on Linux with glibc only (musl, macOS and Windows have other
 allocators: nothing is done there), only when the strategy trains on CPU (the CUDA caching
 allocator is tuned with ``PYTORCH_CUDA_ALLOC_CONF``, see docs/benchmarks.md), and never over a

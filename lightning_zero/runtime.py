@@ -100,8 +100,10 @@ class ZeroRun:
     # -- the processes ---------------------------------------------------------------------------
 
     def prepare_process(self, device: torch.device) -> None:
-        """Before the model exists: the CPU allocator setting (see ``allocator.py``)."""
-        tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type)
+        """Before the model exists: the CPU allocator setting, for the stages that free memory
+        (2-3: setup frees the unsharded model, and each step buckets or units; see ``allocator.py``)."""
+        if self.config.stage >= 2:
+            tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type)
 
     def watch_faults(self) -> bool:
         """Every rank's host known, the fault board open, the watchdog on (docs/failures.md). True
@@ -204,7 +206,8 @@ class ZeroRun:
                 f"stage {self.config.stage} on one process shards nothing: it trains as plain training"
             )
         optimizers = list(optimizers) if engine.needs_optimizers_first else []
-        return engine.setup(module, optimizers, device=device, rng_state=self.init_rng)
+        wrapped = engine.setup(module, optimizers, device=device, rng_state=self.init_rng)
+        return wrapped
 
     def add_optimizer(self, module: nn.Module, optimizer: Optimizer, index: int) -> None:
         """An optimizer made after its model was wrapped: its groups take the tensors the engine
