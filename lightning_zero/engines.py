@@ -36,6 +36,7 @@ from lightning_zero.zero.flat_param import (
     load_full_optimizer_state,
     state_dict_with,
 )
+from lightning_zero.zero.local_step import LocalStep, steps_locally
 from lightning_zero.zero.optimizer import (
     ShardedParams,
     ShardingError,
@@ -151,6 +152,9 @@ class Engine:
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         """The optimizer is about to step (the gradients are final): stages 1-2 take what the user
         made of the parameters' ``.grad`` into the shards ([Note: gradients of whole parameters])."""
+
+    def step_ended(self, index: int) -> None:
+        """The optimizer's step returned or raised: stage 3 puts back what it swapped for it."""
 
     def after_step(self, optimizer: Optimizer, index: int) -> None:
         """After the optimizer stepped: masters into the parameters; stages 1-2 all-gather them."""
@@ -411,6 +415,7 @@ class FullyShardedEngine(Engine):
         _place_buffers(module, device, self.comm, broadcast=not self.deferred, label=self.label)
         self._stepped: dict[int, tuple[FlatParameter, int]] = {}  # id(what an optimizer steps) -> its place
         self._checked: set[int] = set()  # optimizers whose state shapes were checked
+        self._local: dict[int, LocalStep] = {}  # optimizer index -> its step on local rows
         for i, optimizer in enumerate(optimizers):
             self.lay_optimizer(optimizer, i)
         self.wrapped = ZeroModule(module, self.zero3, self.comm, broadcast_buffers=cfg.broadcast_buffers)
@@ -442,11 +447,19 @@ class FullyShardedEngine(Engine):
                 self._stepped[id(stepped)] = (flat, i)
                 params.append(stepped)
             group["params"] = params
+        if steps_locally(optimizer):
+            self._local[index] = LocalStep(optimizer)
 
     def gathered(self) -> Any:
         return self.zero3.gathered()
 
+    def step_ended(self, index: int) -> None:
+        local = self._local.get(index)
+        if local is not None:  # a step that raised left its parameters swapped
+            local.leave()
+
     def after_step(self, optimizer: Optimizer, index: int) -> None:
+        self.step_ended(index)
         if index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(index)
@@ -476,6 +489,9 @@ class FullyShardedEngine(Engine):
         if not hasattr(self, "zero3"):  # setup stopped before the units existed
             self.finished = True
             return
+        for local in self._local.values():
+            local.remove()
+        self._local.clear()
         gather = self.config.gather_at_teardown
         gather = (not self.deferred) if gather is None else gather
         self.zero3.remove_hooks(keep_forward=not (failed or gather))

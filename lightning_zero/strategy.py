@@ -303,14 +303,18 @@ class ZeroStrategy(DDPStrategy):
         guard = (
             self._guard if getattr(self.precision_plugin, "scaler", None) is None else None
         )  # fp16: the scaler's
-        if guard is None:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
-            step = self.lightning_module.trainer.global_step
-            with guard.guarding(optimizer, step=step, device=self.root_device):
+        index = self._optimizer_index(optimizer) if self._engine is not None else None
+        try:
+            if guard is None:
                 output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            index = self._optimizer_index(optimizer)
+            else:
+                step = self.lightning_module.trainer.global_step
+                with guard.guarding(optimizer, step=step, device=self.root_device):
+                    output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if index is not None:
+                self._engine.step_ended(index)
+        if index is not None:
             self._engine.after_step(self.optimizers[index], index)
         return output
 

@@ -293,7 +293,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine = self._ready()
         index = self._index(optimizer)
         engine.before_step(self._optimizers[index], index)
-        output = super().optimizer_step(optimizer, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, **kwargs)
+        finally:
+            engine.step_ended(index)
         engine.after_step(self._optimizers[index], index)
         self._run.steps += 1
         if index == 0:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -165,3 +166,115 @@ def test_gradient_divisors_split_the_mean_in_16_bits():
     assert gradient_divisors(torch.bfloat16, 8) == (2.0, 4.0)
     assert gradient_divisors(torch.float16, 2) == (1.0, 2.0)
     assert gradient_divisors(torch.bfloat16, 1) == (1.0, 1.0)
+
+
+OPTIMIZERS = {  # built-in elementwise optimizers, with the options that keep per-element state
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+}
+
+
+def _steps_on_local_rows(rank: int | None, world: int, name: str) -> dict:
+    """Four steps of ``name`` on the stack with a replicated 0-dim parameter; with ranks, the calls
+    into ZeroDTensor.__torch_function__ made by each step."""
+    torch.manual_seed(5)
+    model = WithScalar()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    engine, wrapped = (None, model) if rank is None else _engine(model, optimizer)
+    calls = []
+    for batch in models.global_batches(4, world):
+        parts = (
+            [models.rank_slice(batch, r) for r in range(world)]
+            if rank is None
+            else [models.rank_slice(batch, rank)]
+        )
+        (sum(wrapped(*part) for part in parts) / len(parts)).backward()
+        with _counting_dispatch() as count:
+            optimizer.step()
+        calls.append(count[0])
+        if engine is not None:
+            engine.after_step(optimizer, 0)
+        optimizer.zero_grad()
+    if engine is None:
+        return {"params": {k: v.clone() for k, v in model.state_dict().items()}}
+    states = {key: type(v).__name__ for s in optimizer.state.values() for key, v in s.items()}
+    return {
+        "params": {k: v.clone() for k, v in engine.full_state_dict(model, rank0_only=False).items()},
+        "calls": calls,
+        "parameters": sum(len(g["params"]) for g in optimizer.param_groups),
+        "held": [type(p).__name__ for g in optimizer.param_groups for p in g["params"]],
+        "states": states,
+    }
+
+
+@contextlib.contextmanager
+def _counting_dispatch():
+    from lightning_zero.zero.dtensor import ZeroDTensor
+
+    original = ZeroDTensor.__dict__["__torch_function__"]
+    count = [0]
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        count[0] += 1
+        return original.__func__(cls, func, types, args, kwargs)
+
+    ZeroDTensor.__torch_function__ = classmethod(counting)
+    try:
+        yield count
+    finally:
+        ZeroDTensor.__torch_function__ = original
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_step_runs_on_local_rows_as_one_process(tmp_path, name):
+    """After its first step a built-in optimizer steps plain aliases of the local rows (see [Note:
+    the step on local rows]): the same values as one process, parameters and state laid out at rest
+    again afterwards, a few DTensor calls per parameter instead of one per op."""
+    reference = _steps_on_local_rows(None, 2, name)["params"]
+    for r in run_ranks(_steps_on_local_rows, 2, tmp_path, name):
+        assert max_diff(r["params"], reference) <= 1e-6
+        assert set(r["held"]) == {"ZeroDTensor"}
+        assert {k: v for k, v in r["states"].items() if k != "step"} == dict.fromkeys(
+            (k for k in r["states"] if k != "step"), "ZeroDTensor"
+        ), r["states"]
+        first, later = r["calls"][0], max(r["calls"][1:])
+        assert later <= 4 * r["parameters"] < first, r["calls"]
+
+
+def _raising_step(rank: int, world: int) -> dict:
+    """The second step of Adam raises inside its update (after the closure, on the local rows)."""
+    adam = sys.modules["torch.optim.adam"]
+    model = WithScalar()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, wrapped = _engine(model, optimizer)
+    raised = None
+    for step, batch in enumerate(models.global_batches(2, world)):
+        wrapped(*models.rank_slice(batch, rank)).backward()
+        real = adam._single_tensor_adam
+        if step == 1:
+            adam._single_tensor_adam = _raises
+        try:
+            optimizer.step()
+        except RuntimeError as error:
+            raised = str(error)
+            engine.step_ended(0)  # what both strategies do when a step raises
+        finally:
+            adam._single_tensor_adam = real
+        optimizer.zero_grad()
+    return {
+        "raised": raised,
+        "held": [type(p).__name__ for g in optimizer.param_groups for p in g["params"]],
+        "states": {type(v).__name__ for s in optimizer.state.values() for k, v in s.items() if k != "step"},
+    }
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("planted failure inside the step")
+
+
+def test_a_step_that_raises_leaves_the_parameters_at_rest(tmp_path):
+    for r in run_ranks(_raising_step, 2, tmp_path):
+        assert r["raised"] == "planted failure inside the step"
+        assert set(r["held"]) == {"ZeroDTensor"} and r["states"] == {"ZeroDTensor"}, r

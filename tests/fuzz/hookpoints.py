@@ -481,8 +481,14 @@ def _bf16_saved_weights(program: HookProgram, ranks: list[Outcome]) -> bool:
     """bf16-mixed, weights scaled in place between forward and backward: under the package's policy
     the bf16 parameters are what autograd saved, so every rank refuses the change (autograd's
     message), where ddp's autocast saved bf16 copies of fp32 weights and went on. Loud on every
-    rank, as docs/mixed-precision.md says; never a silent difference."""
-    between = program.position in ("step_after_forward", "on_before_backward", "on_before_zero_grad")
+    rank, as docs/mixed-precision.md says; never a silent difference. ``after_forward``: the loops'
+    (manual optimization, Fabric) place between the forward and the backward."""
+    between = program.position in (
+        "step_after_forward",
+        "on_before_backward",
+        "on_before_zero_grad",
+        "after_forward",
+    )
     if program.precision == "32-true" or program.operation != "scale_weight" or not between:
         return False
     return all(o.error and "modified by an inplace operation" in o.error for o in ranks)
