@@ -453,6 +453,9 @@ class FullyShardedEngine(Engine):
     def gathered(self) -> Any:
         return self.zero3.gathered()
 
+    def before_step(self, optimizer: Optimizer, index: int) -> None:
+        self.zero3.take_written()  # e.g. the root kept through a step, scaled after backward
+
     def step_ended(self, index: int) -> None:
         local = self._local.get(index)
         if local is not None:  # a step that raised left its parameters swapped

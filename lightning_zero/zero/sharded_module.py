@@ -588,6 +588,11 @@ class ZeroThree:
         """Every flat space holding parameter values: trainable and frozen."""
         return [f.flat for u in self.units for f in u.flats]
 
+    def take_written(self) -> None:
+        """Before an optimizer step: what the user wrote into gathered parameters goes to the shards."""
+        for unit in self.units:
+            unit.take_written()
+
     def after_step(self) -> None:
         """The optimizer stepped the shards: what is gathered now holds the old values (the root kept
         for a manual step, units inside ``gathered()``), so it is freed and gathered again on use."""

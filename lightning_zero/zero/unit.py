@@ -158,6 +158,7 @@ class UnitFlat:
         self.gather_in: Tensor | None = None  # its input: the shard, or its cast (kept until done)
         self.gather_handle: Handle | None = None  # in-flight AllGather
         self.gathered = False  # the unsharded parameters hold the values
+        self.full_version = 0  # `full`'s version counter when its gather finished
         self.version: int | None = None  # the shard's version when gathered for writing back
         self.accumulated: list[Tensor | None] | None = None  # no_sync: gradients kept in the reduce dtype
         self.count: Any = _no_count  # (bytes) -> None: the unit's meter of gathered bytes
@@ -198,6 +199,7 @@ class UnitFlat:
             self.count(-self.nbytes)
         self.gather_out = self.gather_in = None
         self.gathered = True
+        self.full_version = self.full._version  # moves only when the user writes into the parameters
 
     def generation(self) -> tuple[int, int]:
         """Changes whenever the shard's values change: writes through plain tensors bump its version
@@ -219,11 +221,25 @@ class UnitFlat:
         self.version = None
         self._release_storage()
 
+    def take_written(self) -> None:
+        """Before an optimizer step: values the user wrote into the gathered parameters (the root
+        kept through a step, scaled between backward and the step) go into the shard, which the
+        optimizer steps; the rows the user did not change stay as they are."""
+        if not self.gathered or self.full._version == self.full_version:
+            return
+        self._copy_rows_back()
+        self.full_version = self.full._version
+        if self.version is not None:
+            self.version = self.generation()
+
     def _write_back(self) -> None:
         """This rank's rows of the gathered parameters into the shard, where they differ from it
         and the shard is as it was when gathered (see :meth:`mark_for_write_back`)."""
         if self.generation() != self.version:
             return
+        self._copy_rows_back()
+
+    def _copy_rows_back(self) -> None:
         flat = self.flat
         with torch.no_grad():
             for i, (start, stop, offset) in enumerate(flat.slices):
@@ -415,6 +431,10 @@ class ShardedUnit:
     def mark_for_write_back(self) -> None:
         for flat in self.flats:
             flat.mark_for_write_back()
+
+    def take_written(self) -> None:
+        for flat in self.flats:
+            flat.take_written()
 
     def note_forward_values(self) -> None:
         """A forward with gradients ran: its backward must see the same values (see

@@ -55,6 +55,9 @@ REGRESSIONS = {
     # gradient, so scaling every .grad missed the root's
     "manual_step_scales_root_grads": HookProgram("manual", 3, "after_backward", "scale_grad"),
     "manual_step_reads_grads": HookProgram("manual", 2, "after_backward", "read_grad"),
+    # the root kept gathered through a manual step, its weights scaled after manual_backward: the
+    # step took the shard as it was and the scaling was lost (now taken into the shard first)
+    "manual_step_scales_root_weights": HookProgram("manual", 3, "after_backward", "scale_weight"),
 }
 DEFAULT_SAMPLE = 60  # programs drawn with seed 0 in the default suite
 
