@@ -462,7 +462,6 @@ class FullyShardedEngine(Engine):
             local.leave()
 
     def after_step(self, optimizer: Optimizer, index: int) -> None:
-        self.step_ended(index)
         if index not in self._checked:
             check_state_shapes(optimizer)
             self._checked.add(index)
