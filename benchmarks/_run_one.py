@@ -67,8 +67,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="STEP",
         help="rank 0 profiles its steps from STEP on (cProfile) into OUT.profile.json (see StepProfile)",
     )
+    p.add_argument(
+        "--guard",
+        default="on",
+        choices=("on", "off"),
+        help="off: a ZeroStrategy run without its desync guard, to measure what the guard costs (see guard_off)",
+    )
+    p.add_argument(
+        "--rss-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="every rank records its resident set size every STEPS optimizer steps (0: not sampled)",
+    )
     add_run_arguments(p)
     return p.parse_args(argv)
+
+
+def guard_off() -> None:
+    """Take the desync guard out of this process's ZeroStrategy runs (a measuring switch, not an option).
+
+    The guard is two things ([Note: digest since the last agreement] in comm/tracker.py, [Note:
+    steps agreed] in signals.py): every collective folded into a running digest and kept in the
+    entries since the last agreement, and the agreement after every training batch that compares
+    digests and step and backward counts. Off, collectives are numbered as before but not folded or
+    kept, and no agreement runs after a batch (Lightning's own per-batch SIGTERM broadcast stays
+    replaced, so the off run issues one collective per batch fewer than ddp). The per-collective
+    check on gloo, which predates the guard, runs in both.
+    """
+    import time as _time
+
+    from lightning_zero import signals
+    from lightning_zero.comm import tracker
+
+    def issue(self: tracker.CollectiveTracker, op: str, name: str, nbytes: int) -> tracker.Issued:
+        self.seq += 1
+        self.last, self.last_at = tracker.Issued(self.seq, op, name, nbytes), _time.monotonic()
+        self.recent.append(self.last)
+        return self.last
+
+    def batch_end(self: Any, trainer: L.Trainer, *args: Any) -> None:
+        self.boundary.after_batch(trainer)
+
+    tracker.CollectiveTracker.issue = issue
+    signals._StopAtStepEnd.on_train_batch_end = batch_end
 
 
 def model_config(name: str, overrides: list[str]) -> dict[str, Any]:
@@ -113,10 +155,12 @@ class StepTimer(L.Callback):
         out: the run's JSON path; this rank writes ``<out>.rank<r>`` when training ends.
     """
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, rss_every: int = 0) -> None:
         self.out = out  # the run's JSON file (rank files sit next to it)
         self.step_times: list[float] = []  # wall seconds per optimizer step, in order
         self.cpu_times: list[float] = []  # CPU seconds of this process (all threads) per step
+        self.rss_every = rss_every  # sample the resident set size every this many steps (0: never)
+        self.rss_kib: list[tuple[int, int]] = []  # (optimizer steps done, resident KiB)
         self._start: tuple[float, float] | None = None  # (perf_counter, process_time) at step start
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -127,6 +171,8 @@ class StepTimer(L.Callback):
         wall, cpu = time.perf_counter(), time.process_time()
         self.step_times.append(wall - self._start[0])
         self.cpu_times.append(cpu - self._start[1])
+        if self.rss_every and len(self.step_times) % self.rss_every == 0:
+            self.rss_kib.append((len(self.step_times), resident_kib()))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         record = {
@@ -134,10 +180,17 @@ class StepTimer(L.Callback):
             "step_times_s": self.step_times,
             "cpu_times_s": self.cpu_times,
             "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
+            "rss_kib": self.rss_kib,
             "num_threads": torch.get_num_threads(),
             **model_state(trainer),
         }
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
+
+
+def resident_kib() -> int:
+    """This process's resident set size now, KiB (Linux: /proc/self/statm)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 class StepProfile(L.Callback):
@@ -258,7 +311,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
     )
     model = GPTLightning(vocab_size=data.vocab_size, **cfg)
-    timer = StepTimer(args.out)
+    if args.guard == "off":
+        guard_off()
+    timer = StepTimer(args.out, args.rss_every)
     with tempfile.TemporaryDirectory(prefix="bench_") as root:
         trainer = quiet_trainer(
             build_strategy(args.strategy, args),
@@ -290,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         "devices": args.devices,
         "start_method": args.start_method,
         "seed": args.seed,
+        "guard": args.guard,
         "fit_s": fit_s,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }

@@ -178,8 +178,12 @@ def variant_name(variant: Variant, mixed: bool) -> str:
     return f"{variant.strategy} {variant.precision}" if mixed else variant.strategy
 
 
-def run_command(variant: Variant, out: Path, args: argparse.Namespace) -> list[str]:
+def run_command(
+    variant: Variant, out: Path, args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The command of one run; ``extra``: further arguments of ``_run_one.py`` (e.g. ``--guard off``)."""
     cmd = [sys.executable, str(RUN_ONE), "--strategy", variant.strategy, "--precision", variant.precision]
+    cmd += list(extra)
     cmd += ["--out", str(out)]
     cmd += ["--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
     cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--wrap-policy", args.wrap_policy]
@@ -189,11 +193,14 @@ def run_command(variant: Variant, out: Path, args: argparse.Namespace) -> list[s
     return cmd
 
 
-def run_one(variant: Variant, repeat: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_one(
+    variant: Variant, repeat: int, args: argparse.Namespace, workdir: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Run one training in a fresh process; return its record with the run's median step time."""
-    out = workdir / f"r{repeat}_{variant.strategy}_{variant.precision}.json"
+    tag = "_".join(a.lstrip("-") for a in extra)
+    out = workdir / f"r{repeat}_{variant.strategy}_{variant.precision}{'_' + tag if tag else ''}.json"
     start = time.perf_counter()
-    command = run_command(variant, out, args)
+    command = run_command(variant, out, args, extra)
     env = child_env(args.devices)
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=900)
     if done.returncode != 0 or not out.is_file():

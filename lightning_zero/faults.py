@@ -7,8 +7,10 @@ the store] in ``comm/faults.py``):
 
 - this rank's own failure (a bad batch, an unused parameter, out of memory, a KeyboardInterrupt):
   published to the store, so that every peer raises with this message;
-- a peer's failure this rank noticed in one of this package's collectives (:class:`PeerFailure`):
-  nothing to add;
+- a peer's failure this rank noticed in one of this package's collectives (:class:`PeerFailure`),
+  or a desync it found with the others (:class:`CollectivesStopped`): nothing to add but its
+  note on the board, the word that lets rank 0, which hosts the store, leave without lingering
+  for it (``Communicator.linger_for_peers``);
 - a backend error in a collective that is not this package's (Lightning's ``self.log(...,
   sync_dist=True)``, a metric's sync): explained from the board, the failing rank's message put in
   front of the backend's words;
@@ -46,6 +48,12 @@ def on_fit_exception(comm: Communicator, exception: BaseException, *, step: int 
         return False
     if isinstance(exception, (PeerFailure, CollectivesStopped)):
         comm.mark_failed(exception)
+        where = comm.tracker.current()
+        if comm.board is not None:
+            try:
+                comm.board.note(comm.ranks[comm.rank].rank, where.describe() if where else "no collective")
+            except StoreUnreachable:
+                pass
         return True
     if comm.failure is None and looks_like_comm_error(exception):
         explained = comm.explain(exception, comm.tracker.current())

@@ -82,13 +82,19 @@ class CheckedIssue:
         states = self._desync_states(issued, rows)
         others = [self.members[r] for r in elsewhere(rows, self.rank)]
         report = desync_report(self.me, states, others, self.members)
+        self._stop_every_rank(issued, report)
+
+    def _stop_every_rank(self, issued: Issued, report: str) -> None:
+        """Every rank found the same desync at ``issued``: print, post and raise it. Posted as the
+        stop (for a rank that waits elsewhere) and noted as read, so that rank 0, which hosts the
+        store, leaves at once instead of lingering for its peers' word."""
         print(report, file=sys.stderr, flush=True)  # also where the exception is caught and dropped
         self.stop_reason = report
         error = CollectivesStopped(report)
         self.mark_failed(error)
         if self.board is not None:
             try:
-                self.board.publish_stop(report)  # for a rank that waits elsewhere
+                self.board.publish_stop(report)
                 self.board.note(self.me, issued.describe())
             except StoreUnreachable:
                 pass
@@ -103,11 +109,7 @@ class CheckedIssue:
         with self.tracker.blocked_in(issued):
             dist.all_gather_object(entries, mine, group=self.side.group)
         report = digest_report(issued, [[Issued(*e) for e in rank] for rank in entries], self.members)
-        print(report, file=sys.stderr, flush=True)
-        self.stop_reason = report
-        error = CollectivesStopped(report)
-        self.mark_failed(error)
-        raise error
+        self._stop_every_rank(issued, report)
 
     def _desync_states(self, issued: Issued, rows: list[list[int]]) -> dict[int, RankState]:
         """Every rank's collective, named as it posted it on the board (else from its row); keyed by

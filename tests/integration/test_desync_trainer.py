@@ -7,6 +7,9 @@ Two ranks started the way torchrun starts them, one of them out of step on purpo
   parameters (the check before each collective stops both, naming both and the cause);
 - rank 0 logs a value with ``sync_dist=True`` that rank 1 does not: Lightning's own all-reduce on
   rank 0, the next batch's agreement on rank 1, found apart by the watchdog (``watchdog_s``);
+- the same reads with no check before each collective (as on NCCL): the two all-reduces have one
+  size, pair and complete; the agreement after the batch compares what each rank issued (the
+  digest) and names the first collective that differs;
 - the margin: a slow step, a long checkpoint save and a long validation, each several times
   ``watchdog_s`` long, are reported as waits and never stop the run.
 
@@ -92,6 +95,13 @@ class Logged(Net):
         )
 
 
+class Unchecked(Callback):
+    """No collective is checked before it is issued, as on NCCL ([Note: checked issue])."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.strategy.comm.check_issue = False
+
+
 class Misbehave(Callback):
     """At step ``at``: each rank computes with a parameter at rest of unit ``touch[rank]``; rank
     ``slow_on`` sleeps ``slow_s`` in its training batch."""
@@ -146,6 +156,8 @@ def main(out: Path, options: dict[str, Any]) -> None:
     if "slow_save_on" in options:
         slow_saves_on(options["slow_save_on"], 3.0)
     callbacks: list[Callback] = [Misbehave(options)]
+    if options.get("unchecked"):
+        callbacks.append(Unchecked())
     if options.get("checkpoint_at"):
         every = options["checkpoint_at"]
         callbacks.append(
@@ -239,6 +251,30 @@ def test_a_desync_after_the_schedule_is_learned_stops_every_rank_named(tmp_path)
         assert mine and theirs and mine[1] == theirs[1], run.output[-4000:]
     assert "Received data size" not in runs[0].output + runs[1].output
     assert max(after) < BOUND_S, after
+
+
+def test_same_size_reads_of_different_parameters_are_named_at_the_agreement_with_checks_off(tmp_path):
+    """Case 3 in a Trainer, as on NCCL (no check per collective, watchdog off): the partial sums of
+    two parameters pair up and complete; the batch's agreement finds the digests apart on every
+    rank and names each rank's first collective that differs."""
+    runs, after = _seconds_after_fault(
+        tmp_path,
+        strategy={"stage": 3, "wrap_policy": "torch.nn.Linear", "watchdog_s": None},
+        touch=["body", "head"],
+        at=2,
+        unchecked=True,
+    )
+    for run in runs:
+        assert run.returncode == 1, run.output[-4000:]  # not -6: nothing reached gloo
+        assert "CollectivesStopped" in run.output, run.output[-4000:]
+        assert re.search(r"out of step \(a desync\) at agree #\d+ zero3/agree/batch", run.output), run.output[
+            -4000:
+        ]
+        first = re.search(r"rank 0: all_reduce #(\d+) zero3/at_rest/sum/body.weight \(", run.output)
+        theirs = re.search(r"rank 1: all_reduce #(\d+) zero3/at_rest/sum/head.weight \(", run.output)
+        assert first and theirs and first[1] == theirs[1], run.output[-4000:]  # paired, completed
+        assert "finished at step" not in run.output
+    assert max(after) < 5, after
 
 
 def test_a_collective_skipped_by_one_rank_is_found_by_the_watchdog(tmp_path):
