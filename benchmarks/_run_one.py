@@ -134,8 +134,11 @@ def import_object(dotted: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def build_strategy(name: str, args: argparse.Namespace) -> Strategy:
-    """The strategy object for ``name``; every one is launched with ``args.start_method``."""
+def build_strategy(name: str, args: argparse.Namespace) -> Strategy | str:
+    """The strategy object for ``name``; every one is launched with ``args.start_method``
+    (``"auto"``: Lightning's choice, one device: its SingleDeviceStrategy, nothing launched)."""
+    if name == "auto":
+        return "auto"
     if name == "ddp":
         return DDPStrategy(start_method=args.start_method, bucket_cap_mb=args.bucket_cap_mb)
     if name == "fsdp":
@@ -279,10 +282,26 @@ def model_state(trainer: L.Trainer) -> dict[str, Any]:
         ledger = strategy.ledger
         last = ledger.steps()[-1] if ledger.steps() else None
         comm = {op: t._asdict() for op, t in ledger.totals(step=last).items()} if last is not None else {}
-        return {"memory_report": report._asdict(), "memory_source": "memory_report", "last_step_comm": comm}
+        return {
+            "memory_report": report._asdict(),
+            "memory_source": "memory_report",
+            "last_step_comm": comm,
+            **units_and_buckets(strategy),
+        }
     params = list(trainer.model.parameters())
     report = measure(trainer.model, [p.grad for p in params if p.grad is not None], trainer.optimizers)
     return {"memory_report": report._asdict(), "memory_source": "measure", "last_step_comm": None}
+
+
+def units_and_buckets(strategy: Any) -> dict[str, int | None]:
+    """How many stage-3 units and gradient buckets the run's engine holds (None: it has none)."""
+    engine = strategy._run.state_engine
+    zero3 = getattr(engine, "zero3", None)
+    sync = getattr(getattr(engine, "wrapped", None), "sync", None)
+    return {
+        "units": len(zero3.units) if zero3 is not None else None,
+        "buckets": len(sync.buckets) if zero3 is None and hasattr(sync, "buckets") else None,
+    }
 
 
 def merge_rank_files(out: Path, devices: int, meta: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@
     python benchmarks/bench_guard.py step-time --repeats 6 --json guard_steps.json
     python benchmarks/bench_guard.py rss                       # zero2 vs ddp, 3000 steps of gpt_tiny
     python benchmarks/bench_guard.py rss --strategies zero2,zero3,ddp --steps 3000
+    python benchmarks/bench_guard.py host                      # the guard's host time per step, counted
 
 ``step-time``: for each repeat and each stage, one run with the guard on (as shipped) and one with
 it off (``_run_one.py --guard off``: no digest of the collectives, no agreement after each batch;
@@ -16,6 +17,14 @@ strategies interleaved per repeat); every rank samples its resident set size eve
 ``--rss-every`` steps. The growth is the least-squares slope of RSS over steps after
 ``--settle`` steps (allocator pools and caches filled), in KiB per step, per rank; the figure is
 each strategy's slope minus the reference's (``--reference``, default ddp), median over repeats.
+
+``host``: what the guard costs on the host, counted rather than timed against a noisy step: the
+microseconds one collective's fold into the digest adds (in-process, best of five runs of
+``FOLDS`` calls), the median microseconds of one agreement between two gloo processes (after a
+warm-up; the agreement also carries the signals and the last-batch flag, and stands in for
+Lightning's own per-batch broadcast), and the collectives per step of each stage on ``--model``
+(one short 2-rank run each, from the ledger). The guard's time per step is then
+``collectives x fold + one agreement``, set beside the measured step time.
 
 Results and what they mean: docs/benchmarks.md, "The desync guard".
 """
@@ -47,7 +56,7 @@ from benchmarks.bench_step_time import (  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("step-time", "rss"))
+    p.add_argument("what", choices=("step-time", "rss", "host"))
     p.add_argument("--strategies", default=None, help="step-time: zero0,zero1,zero2,zero3; rss: zero2,ddp")
     p.add_argument(
         "--reference", default="ddp", help="rss: the strategy whose growth the others are compared to"
@@ -62,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the summary and every run here")
     add_run_arguments(p)
     args = p.parse_args(argv)
-    step_time = args.what == "step-time"
+    step_time = args.what in ("step-time", "host")
     args.strategies = [
         s.strip()
         for s in (args.strategies or ("zero0,zero1,zero2,zero3" if step_time else "zero2,ddp")).split(",")
@@ -130,6 +139,106 @@ def step_time(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, A
     return rows, runs
 
 
+def host(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    fold_us = digest_cost_us()
+    agree_us = agreement_cost_us(workdir)
+    print(
+        f"one collective folded into the digest: {fold_us:.3f} us; one agreement (2 gloo ranks): {agree_us:.0f} us"
+    )
+    rows, runs = [], []
+    for strategy in args.strategies:
+        record = run_one(Variant(strategy), 1, args, workdir)
+        runs.append(record)
+        calls = sum(op["calls"] for op in record["ranks"][0]["last_step_comm"].values())
+        guard_us = calls * fold_us + agree_us
+        step_us = record["median_step_s"] * 1e6
+        rows.append(
+            {
+                "strategy": strategy,
+                "collectives_per_step": calls,
+                "fold_us": fold_us,
+                "agreement_us": agree_us,
+                "guard_us_per_step": guard_us,
+                "step_ms": step_us / 1e3,
+                "guard_share": guard_us / step_us,
+            }
+        )
+    print(f"{'stage':<7}{'colls/step':>11}{'guard us/step':>15}{'step ms':>10}{'share':>9}")
+    for r in rows:
+        print(
+            f"{r['strategy']:<7}{r['collectives_per_step']:11d}{r['guard_us_per_step']:15.1f}"
+            f"{r['step_ms']:10.1f}{r['guard_share'] * 100:8.3f}%"
+        )
+    return rows, runs
+
+
+AGREEMENTS = 2000  # timed per rank, after 100 to warm up
+
+
+def agreement_cost_us(workdir: Path) -> float:
+    """Median microseconds of one agreement (``Communicator.agree``) between two gloo processes."""
+    from tests.distributed.fault_harness import run_ranks
+
+    outcomes = run_ranks(_time_agreements, 2, workdir, AGREEMENTS, timeout=300)
+    if any(o.result is None for o in outcomes):
+        raise SystemExit(f"the agreement timing failed: {outcomes}")
+    return max(float(o.result) for o in outcomes)
+
+
+def _time_agreements(rank: int, world_size: int, count: int) -> float:
+    import torch
+
+    from lightning_zero.comm import Communicator
+
+    comm = Communicator()
+    comm.watch_faults(fault_wait_s=2.0)
+    cpu = torch.device("cpu")
+    for _ in range(100):
+        comm.agree(0, name="bench/agree/batch", device=cpu)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        comm.agree(0, name="bench/agree/batch", device=cpu)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+FOLDS = 200_000  # tracker.issue calls timed per variant
+
+
+def digest_cost_us() -> float:
+    """Microseconds one collective's fold into the digest adds to ``CollectiveTracker.issue``: the
+    shipped ``issue`` against ``_run_one.guard_off``'s, best of five runs of FOLDS calls each."""
+    import timeit
+
+    from benchmarks import _run_one
+    from lightning_zero import signals
+    from lightning_zero.comm import tracker
+
+    shipped = tracker.CollectiveTracker.issue, signals._StopAtStepEnd.on_train_batch_end
+    names = [f"zero2/reduce_scatter/bucket={b}" for b in range(8)]
+
+    def per_call() -> float:
+        t = tracker.CollectiveTracker()
+        calls = [(names[i % 8], 4096 * (i % 8)) for i in range(FOLDS)]
+
+        def run() -> None:
+            for name, nbytes in calls:
+                t.issue("reduce_scatter", name, nbytes)
+                if len(t.since) >= 64:
+                    t.agreed()
+
+        return min(timeit.repeat(run, number=1, repeat=5)) / FOLDS
+
+    with_digest = per_call()
+    _run_one.guard_off()
+    try:
+        without = per_call()
+    finally:
+        tracker.CollectiveTracker.issue, signals._StopAtStepEnd.on_train_batch_end = shipped
+    return max(0.0, with_digest - without) * 1e6
+
+
 def slope(samples: list[tuple[int, int]], settle: int) -> float:
     """Least-squares KiB per step of ``(step, rss_kib)`` samples from ``settle`` on."""
     points = [(s, r) for s, r in samples if s >= settle]
@@ -188,7 +297,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     setting = machine(args.devices)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_guard_") as tmp:
-        rows, runs = (step_time if args.what == "step-time" else rss)(args, Path(tmp))
+        measure = {"step-time": step_time, "rss": rss, "host": host}[args.what]
+        rows, runs = measure(args, Path(tmp))
     if args.json is not None:
         payload = {
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().parent / "_run_one.py"  # one timed training run
 MIB = 1024 * 1024
-STRATEGY_NAMES = ("ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")  # what a run can be given
+STRATEGY_NAMES = ("auto", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")  # what a run can be given
 PRECISION_NAMES = ("32-true", "bf16-mixed")  # Trainer(precision=...) a run can be given
 DEFAULT_PRECISION = "32-true"  # also the precision of records written before --precisions existed
 
@@ -140,6 +140,10 @@ def check_args(args: argparse.Namespace) -> None:
     check_names("--precisions", args.precisions, PRECISION_NAMES)
     if args.baseline not in args.strategies:
         raise SystemExit(f"--baseline {args.baseline!r} must be one of --strategies {args.strategies}")
+    if "auto" in args.strategies and args.devices != 1:
+        raise SystemExit(
+            "auto is the one-device baseline (Lightning's SingleDeviceStrategy): use --devices 1"
+        )
     if args.repeats < 1 or args.devices < 1:
         raise SystemExit(f"--repeats and --devices must be >= 1, got {args.repeats}, {args.devices}")
     if not 0 <= args.warmup < args.steps:

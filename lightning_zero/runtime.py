@@ -42,6 +42,7 @@ from lightning_zero.imports import resolve_optimizer_classes
 from lightning_zero.memory import MemoryReport, measure
 from lightning_zero.precision import PrecisionPolicy, resolve_policy
 from lightning_zero.signals import check_counts, with_counts
+from lightning_zero.solo import SoloEngine, runs_solo
 from lightning_zero.zero.deferred import meta_init
 from lightning_zero.zero.optimizer import check_shardable
 
@@ -190,7 +191,8 @@ class ZeroRun:
             device=device,
             report=rank_zero_info,
         )
-        self.engine = make_engine(cfg, group, policy)
+        solo = runs_solo(group, policy, module)  # see [Note: one process] in solo.py
+        self.engine = SoloEngine(cfg, group) if solo else make_engine(cfg, group, policy)
         return policy
 
     def broadcast_states(self, module: nn.Module) -> None:
@@ -201,9 +203,10 @@ class ZeroRun:
         """The engine's wrapper around ``module``, with the optimizers it shards (stages 1-3)."""
         engine = self.engine
         assert engine is not None
-        if engine.sharded and self.comm.world_size == 1:
+        if self.config.stage > 0 and self.comm.world_size == 1:
             rank_zero_warn(
                 f"stage {self.config.stage} on one process shards nothing: it trains as plain training"
+                + (" (no hooks, no copies: see docs/benchmarks.md)" if isinstance(engine, SoloEngine) else "")
             )
         optimizers = list(optimizers) if engine.needs_optimizers_first else []
         wrapped = engine.setup(module, optimizers, device=device, rng_state=self.init_rng)
@@ -229,6 +232,8 @@ class ZeroRun:
         elif isinstance(engine, ShardedOptimizerEngine):
             check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
             engine.sharded_params.shard_optimizer(optimizer, index)
+        elif isinstance(engine, SoloEngine):  # one process: the optimizer as it is
+            check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
         else:  # stage 0 under a policy: the groups step the fp32 masters
             for group in optimizer.param_groups:
                 group["params"] = [engine.masters.get(id(p), p) for p in group["params"]]

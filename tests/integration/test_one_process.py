@@ -1,0 +1,146 @@
+"""One process: every stage trains as Lightning alone does, with none of the machinery
+([Note: one process] in lightning_zero/solo.py).
+
+Each fit runs in the test process (``devices=1``: Lightning launches nothing) against
+``strategy="auto"`` on the same model, data and optimizer (AdamW with two groups, a step LR
+schedule, gradient accumulation and clipping): the parameters after training are equal. Both keep
+the data loader's own sampler (``use_distributed_sampler=False``): a parallel strategy otherwise
+gets Lightning's DistributedSampler, which orders one process's batches differently.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.solo import SoloEngine
+from tests.compare import max_diff
+from tests.integration.lit import LitTiny
+
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process_group():
+    """These fits run in the test process: no process group or rendezvous variable outlives them."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        os.environ.pop(name, None)
+
+
+def _fit(
+    strategy,
+    root,
+    *,
+    manual: bool = False,
+    max_steps: int = 6,
+    checkpoint: bool = False,
+    ckpt_path: str | None = None,
+    **options,
+) -> tuple[Trainer, LitTiny]:
+    torch.manual_seed(0)
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=1 if manual else 2,
+        gradient_clip_val=None if manual else 0.05,
+        logger=False,
+        enable_checkpointing=checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=str(root),
+        **options,
+    )
+    model = LitTiny(groups=not manual, manual=manual)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _params(model: LitTiny) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_on_one_process_trains_as_lightning_alone_with_no_machinery(tmp_path, stage):
+    _, reference = _fit("auto", tmp_path / "auto")
+    extra = {"wrap_policy": "torch.nn.Linear"} if stage == 3 else {}
+    strategy = ZeroStrategy(stage=stage, **extra)
+    seen = {}
+
+    def probe(trainer: Trainer) -> None:
+        engine = trainer.strategy.engine
+        seen["engine"] = type(engine)
+        seen["hooks"] = sum(
+            len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) + len(p._backward_hooks or {})
+            for p in trainer.lightning_module.parameters()
+        )
+        seen["plain"] = all(type(p) is torch.nn.Parameter for p in trainer.lightning_module.parameters())
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            probe(trainer)
+
+    trainer, model = _fit(strategy, tmp_path / f"zero{stage}", callbacks=[Probe()])
+    assert seen == {"engine": SoloEngine, "hooks": 0, "plain": True}, seen
+    assert max_diff(_params(model), _params(reference)) <= TOL
+    totals = trainer.strategy.ledger.totals()
+    assert sum(t.payload_bytes for t in totals.values()) == 0, totals  # nothing sent, nothing counted
+    full = trainer.strategy.full_state_dict()
+    assert max_diff({n: full[n] for n in _params(model)}, _params(reference)) <= TOL
+
+
+def test_manual_optimization_on_one_process_matches_lightning_alone(tmp_path):
+    _, reference = _fit("auto", tmp_path / "auto", manual=True)
+    _, model = _fit(ZeroStrategy(stage=3, wrap_policy="torch.nn.Linear"), tmp_path / "zero3", manual=True)
+    assert max_diff(_params(model), _params(reference)) <= TOL
+
+
+def _first_then_resumed(first, second, root) -> LitTiny:
+    """``first`` trains one epoch (7 steps) and saves ``last.ckpt``; ``second`` resumes it to 14."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, save_top_k=0)
+    _fit(first, root / "first", max_steps=7, callbacks=[ckpt], checkpoint=True)
+    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+    last = str(root / "ckpt" / "last.ckpt")
+    return _fit(second, root / "second", max_steps=14, ckpt_path=last)[1]
+
+
+def test_a_full_checkpoint_of_one_process_resumes_at_another_stage(tmp_path):
+    """Saved by stage 3 on one process at the end of an epoch (whole tensors under the original
+    names, as every stage writes them), resumed by stage 2 on one process: the run goes on as
+    Lightning alone goes on from its own checkpoint."""
+    reference = _first_then_resumed("auto", "auto", tmp_path / "auto")
+    zero3 = ZeroStrategy(stage=3, wrap_policy="torch.nn.Linear")
+    resumed = _first_then_resumed(zero3, ZeroStrategy(stage=2), tmp_path / "zero")
+    assert max_diff(_params(resumed), _params(reference)) <= TOL
+
+
+def test_an_optimizer_no_stage_could_shard_is_refused_on_one_process_too(tmp_path):
+    class WithLBFGS(LitTiny):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=1),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(Exception, match="LBFGS"):
+        trainer.fit(WithLBFGS())
