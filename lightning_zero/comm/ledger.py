@@ -18,11 +18,11 @@ A run issues a few collectives per step for as long as it trains, so the ledger 
 things of bounded size instead of one list that grows with the run:
 
 - ``records``: the latest ``max_records`` CommRecords (the detail: names, sizes), oldest dropped
-  first. ``recorded`` counts every record ever made, and ``records_since(n)`` returns those made
+  first; the names are interned, so the records of one bucket or unit share one string. ``recorded`` counts every record ever made, and ``records_since(n)`` returns those made
   after the n-th, so a reader that remembers ``recorded`` reads only what is new: the monitor's
   cost per step is the number of collectives of that step, whatever the length of the run.
 - per-step aggregates (calls, payload, wire bytes, seconds blocked, per op) of the latest
-  ``max_steps`` steps;
+  ``max_steps`` steps (about 1 KB a step: what a monitor or a benchmark reads back, the last steps);
 - run totals per op, and the seconds blocked per op, over the whole run.
 
 Waits on CUDA tensors are timed on the stream ([Note: timing a wait] in ``timing.py``) and resolved
@@ -44,9 +44,10 @@ checks that precede each collective on gloo, in ``checks`` ([Note: checked issue
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
-from itertools import islice
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple, Protocol
 
 from lightning_zero.comm.timing import CUDA_EVENTS, WALL_CLOCK
@@ -56,8 +57,8 @@ _WIRE_FACTOR = {  # ring-algorithm bytes sent per rank, as a multiple of (N-1)/N
     "reduce_scatter": 1.0,
     "all_gather": 1.0,
 }
-MAX_RECORDS = 4_096  # default detail window: about 0.6 MB of records
-MAX_STEPS = 1_000  # default number of steps whose aggregates are kept
+MAX_RECORDS = 4_096  # default detail window: 56 bytes a record, laid out once (230 KB)
+MAX_STEPS = 128  # default number of steps whose aggregates are kept (about 1 KB each)
 
 
 class CommRecord(NamedTuple):
@@ -104,6 +105,64 @@ def _add(totals: dict[str, OpTotals], op: str, payload: int, wire: float) -> Non
     totals[op] = OpTotals(calls + 1, p + payload, w + wire)
 
 
+class _RecordRing:
+    """The latest ``size`` CommRecords in storage laid out once, when the ledger is made: numbers in
+    typed arrays, strings as references to interned ones, so that a record costs no allocation and
+    filling the window does not grow the process (see [Note: bounded ledger]). Reads build the
+    CommRecords; it reads like the deque it replaces (``len``, iteration, ``[i]``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        zeros = bytes(8 * size)
+        self._step, self._payload, self._group = array("q", zeros), array("q", zeros), array("q", zeros)
+        self._wire = array("d", zeros)
+        self._op: list[str] = [""] * size
+        self._name: list[str] = [""] * size
+        self._link: list[str] = [""] * size
+        self.count = 0  # records appended since made (or cleared)
+
+    def append(self, step: int, op: str, name: str, payload: int, wire: float, group: int, link: str) -> None:
+        i = self.count % self.size
+        self._step[i], self._payload[i], self._wire[i], self._group[i] = step, payload, wire, group
+        self._op[i], self._name[i], self._link[i] = op, name, link
+        self.count += 1
+
+    @property
+    def maxlen(self) -> int:
+        return self.size
+
+    def __len__(self) -> int:
+        return min(self.count, self.size)
+
+    def _record(self, i: int) -> CommRecord:
+        return CommRecord(
+            self._step[i],
+            self._op[i],
+            self._name[i],
+            self._payload[i],
+            self._wire[i],
+            self._group[i],
+            self._link[i],
+        )
+
+    def __getitem__(self, index: int) -> CommRecord:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"record {index} of {n}")
+        return self._record((self.count - n + index % n) % self.size)
+
+    def __iter__(self) -> Iterator[CommRecord]:
+        return iter(self.latest(len(self)))
+
+    def latest(self, n: int) -> list[CommRecord]:
+        """The latest ``n`` records (at most those kept), oldest first."""
+        n = max(0, min(n, len(self)))
+        return [self._record((self.count - n + k) % self.size) for k in range(n)]
+
+    def clear(self) -> None:
+        self.count = 0
+
+
 class _StepTotals:
     """One step's aggregates: calls and bytes per op, seconds blocked per op."""
 
@@ -127,7 +186,7 @@ class CommLedger:
         if max_records < 1 or max_steps < 1:
             raise ValueError(f"max_records and max_steps must be >= 1, got {max_records} and {max_steps}")
         self.step = 0  # current step; set by the strategy at each training batch
-        self.records: deque[CommRecord] = deque(maxlen=max_records)  # the latest records, in issue order
+        self.records = _RecordRing(max_records)  # the latest records, in issue order
         self.recorded = 0  # records made since the ledger was created (or cleared)
         self.max_steps = max_steps
         self._steps: OrderedDict[int, _StepTotals] = OrderedDict()  # the latest max_steps steps
@@ -163,7 +222,8 @@ class CommLedger:
         """File one collective under the current step; ``wire`` overrides the ring model (a gather);
         ``link``: the link its group crosses (see [Note: links])."""
         wire = wire_bytes(op, payload_bytes, group_size) if wire is None else wire
-        self.records.append(CommRecord(self.step, op, name, payload_bytes, wire, group_size, link))
+        name = sys.intern(name)  # one string per name however many records hold it
+        self.records.append(self.step, op, name, payload_bytes, wire, group_size, link)
         self.recorded += 1
         entry = self._totals_of(self.step)
         _add(entry.traffic, op, payload_bytes, wire)
@@ -227,9 +287,7 @@ class CommLedger:
 
     def records_since(self, recorded: int) -> list[CommRecord]:
         """The records made after the first ``recorded`` ones (those still in the window)."""
-        new = min(self.recorded - recorded, len(self.records))
-        latest = list(islice(reversed(self.records), max(new, 0)))  # O(new), not O(window)
-        return latest[::-1]
+        return self.records.latest(self.recorded - recorded)  # O(new), not O(window)
 
     def wait_totals(self) -> Counter[str]:
         """Seconds blocked per op over the whole run (a copy; pending waits settled first)."""
