@@ -33,12 +33,29 @@ test-slow: install
 	$(PY) -m pytest -q -p no:cacheprovider -m slow $(ARGS)
 
 # the tests marked gpu (they skip without CUDA), then the one-GPU overhead benchmark and the
-# per-stage GPU memory report (without a GPU each says so and passes); ARGS go to pytest, BENCH_ARGS
-# to the overhead benchmark
+# per-stage GPU memory report (without a GPU each says so and passes), each part bounded by a
+# timeout (a part that runs past it fails the target). By default it fits a GPU lent for a few
+# minutes (at most 6 min by the bounds: one model, 3 interleaved repeats, a 512-wide memory model);
+# GPU_CHECK=long runs both models, 4 repeats and the 1024-wide memory model. ARGS go to pytest,
+# BENCH_ARGS to the overhead benchmark.
+GPU_CHECK ?= short
+ifeq ($(GPU_CHECK),long)
+GPU_TESTS_S := 900
+GPU_OVERHEAD := --models gpt_small,gpt_10m --repeats 4
+GPU_OVERHEAD_S := 1800
+GPU_MEMORY := --width 1024
+GPU_MEMORY_S := 600
+else
+GPU_TESTS_S := 90
+GPU_OVERHEAD := --models gpt_10m --repeats 3 --steps 40 --warmup 10
+GPU_OVERHEAD_S := 210
+GPU_MEMORY := --width 512
+GPU_MEMORY_S := 60
+endif
 gpu-check: install
-	$(PY) -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(ARGS)
-	$(PY) benchmarks/bench_gpu_overhead.py --out-dir benchmarks/results $(BENCH_ARGS)
-	$(PY) benchmarks/bench_gpu_memory.py --out-dir benchmarks/results
+	timeout $(GPU_TESTS_S) $(PY) -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(ARGS)
+	timeout $(GPU_OVERHEAD_S) $(PY) benchmarks/bench_gpu_overhead.py --out-dir benchmarks/results $(GPU_OVERHEAD) $(BENCH_ARGS)
+	timeout $(GPU_MEMORY_S) $(PY) benchmarks/bench_gpu_memory.py --out-dir benchmarks/results $(GPU_MEMORY)
 
 format: install
 	$(VENV)/bin/ruff format .
