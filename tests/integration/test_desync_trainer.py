@@ -95,6 +95,25 @@ class Logged(Net):
         )
 
 
+class SkipsStep(Net):
+    """Manual optimization; at batch ``skip_at`` rank ``skip_on`` alone skips ``opt.step()`` (a
+    condition true on one rank), the others step."""
+
+    def __init__(self, skip_on: int, skip_at: int):
+        super().__init__()
+        self.automatic_optimization = False
+        self.skip_on, self.skip_at = skip_on, skip_at
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if self.global_rank == self.skip_on and batch_idx == self.skip_at:
+            print(f"rank {self.global_rank} skips its step at wall {time.time():.3f}", flush=True)
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
 class Unchecked(Callback):
     """No collective is checked before it is issued, as on NCCL ([Note: checked issue])."""
 
@@ -178,7 +197,7 @@ def main(out: Path, options: dict[str, Any]) -> None:
         limit_val_batches=2,
         num_sanity_val_steps=0,
     )
-    model = Logged(**options.get("model", {}))
+    model = SkipsStep(**options["skips"]) if "skips" in options else Logged(**options.get("model", {}))
     val = data(32, 8) if options.get("val_every") else None
     trainer.fit(model, train_dataloaders=data(128, 8), val_dataloaders=val)
     print(f"rank {trainer.global_rank} finished at step {trainer.global_step}", flush=True)
@@ -274,6 +293,27 @@ def test_same_size_reads_of_different_parameters_are_named_at_the_agreement_with
         theirs = re.search(r"rank 1: all_reduce #(\d+) zero3/at_rest/sum/head.weight \(", run.output)
         assert first and theirs and first[1] == theirs[1], run.output[-4000:]  # paired, completed
         assert "finished at step" not in run.output
+    assert max(after) < 5, after
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_skipped_by_one_rank_stops_every_rank_within_seconds(tmp_path, stage):
+    """Case 1 (stage 3: no collective at the step, so only the batch's agreement of step and
+    backward counts sees it) and case 5 (stage 1: the others wait in the all-gathers after the
+    step, which the learned schedule issued unchecked, and the agreement posts its deviation):
+    every rank stops, named, within 5 s of the skip, with the default watchdog."""
+    extra = {"wrap_policy": "torch.nn.Linear"} if stage == 3 else {}
+    runs, after = _seconds_after_fault(
+        tmp_path, strategy={"stage": stage, **extra}, skips={"skip_on": 1, "skip_at": 2}
+    )
+    for run in runs:
+        assert run.returncode == 1, run.output[-4000:]
+        assert "CollectivesStopped" in run.output and "out of step (a desync)" in run.output, run.output[
+            -4000:
+        ]
+        assert "finished at step" not in run.output
+        if stage == 3:
+            assert "rank 0: 3 optimizer steps" in run.output and "rank 1: 2 optimizer steps" in run.output
     assert max(after) < 5, after
 
 
