@@ -144,3 +144,39 @@ def test_an_optimizer_no_stage_could_shard_is_refused_on_one_process_too(tmp_pat
     )
     with pytest.raises(Exception, match="LBFGS"):
         trainer.fit(WithLBFGS())
+
+
+def _fabric_run(strategy, order: str) -> dict[str, torch.Tensor]:
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if order == "together":
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:  # litgpt's order: the model first, then an optimizer over model.parameters()
+        model = fabric.setup_module(model)
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        fabric.backward(model(torch.randn(4, 8, generator=data)).pow(2).mean())
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return state
+
+
+@pytest.mark.parametrize("order", ["together", "apart"])
+def test_fabric_on_one_process_trains_as_fabric_alone_at_every_stage(order):
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    reference = _fabric_run("auto", order)
+    for stage in (0, 1, 2, 3):
+        extra = {"wrap_policy": "torch.nn.Linear"} if stage == 3 else {}
+        strategy = ZeroFabricStrategy(stage=stage, **extra)
+        assert max_diff(_fabric_run(strategy, order), reference) <= TOL, stage
+        assert isinstance(strategy._run.engine, SoloEngine)
