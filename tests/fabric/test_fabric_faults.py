@@ -227,6 +227,8 @@ def _one_rank_out_of_step(fabric, out: Path, what: str) -> None:
         for step in range(6):
             x = torch.randn(4, 8, generator=data)
             fabric.backward((model(x) - x.sum(1, keepdim=True)).pow(2).mean())
+            if fabric.global_rank == 1 and step == 2:
+                (out / "fault_at").write_text(str(time.time()))
             if fabric.global_rank == 1 and step == 2 and what == "backward":
                 fabric.backward((model(x) - x.sum(1, keepdim=True)).pow(2).mean())
             if not (fabric.global_rank == 1 and step == 2 and what == "step"):
@@ -252,6 +254,8 @@ def test_a_step_skipped_or_a_backward_added_on_one_rank_is_a_named_desync(tmp_pa
         Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_one_rank_out_of_step, tmp_path, what)
     except Exception:  # noqa: BLE001  (the launcher re-raises a rank's error; the files say which)
         pass
+    after = time.time() - float((tmp_path / "fault_at").read_text())
+    assert after < 5, after  # from the fault until both ranks have left (rank 0 lingers for no one)
     for rank in (0, 1):
         outcome = (tmp_path / f"rank{rank}").read_text()
         assert outcome.startswith(
