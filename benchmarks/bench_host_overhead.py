@@ -39,6 +39,7 @@ from benchmarks.bench_step_time import (  # noqa: E402
     add_run_arguments,
     check_names,
     machine,
+    result_payload,
     run_one,
 )
 
@@ -147,15 +148,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print_table(rows)
         profiles = profile(args, Path(tmp)) if args.profile else {}
     if args.json is not None:
-        payload = {
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "machine": setting,
-            "total_s": time.perf_counter() - started,
-            "summary": rows,
-            "profiles": profiles,
-            "runs": runs,
-        }
-        args.json.write_text(json.dumps(payload))
+        args.json.write_text(
+            json.dumps(result_payload(args, setting, started, summary=rows, profiles=profiles, runs=runs))
+        )
     return rows
 
 

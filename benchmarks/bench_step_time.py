@@ -455,16 +455,24 @@ def main(argv: list[str] | None = None) -> list[Summary]:
                 record = run_one(variant, repeat, args, Path(tmp))
                 runs.append(record)
                 print(progress_line(record, args.repeats), file=sys.stderr, flush=True)
-    payload = {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": setting,
-        "total_s": time.perf_counter() - started,
-        "summary": [r._asdict() for r in summarize(runs, every, against(baseline))],
-        "runs": runs,
-    }
+    summary = [r._asdict() for r in summarize(runs, every, against(baseline))]
+    payload = result_payload(args, setting, started, summary=summary, runs=runs)
     if args.json is not None:
         args.json.write_text(json.dumps(payload))
     return print_report(payload, args.also_vs)
+
+
+def result_payload(
+    args: argparse.Namespace, setting: dict[str, Any], started: float, **parts: Any
+) -> dict[str, Any]:
+    """What a benchmark writes with ``--json``: its settings, the machine, its total time and
+    ``parts`` (the summary, the runs, ...)."""
+    return {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": setting,
+        "total_s": time.perf_counter() - started,
+        **parts,
+    }
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.solo import SoloEngine
+from tests.bigmodel.lit import quiet_trainer
 from tests.compare import max_diff
 from tests.integration.lit import LitTiny
 
@@ -131,17 +132,7 @@ def test_an_optimizer_no_stage_could_shard_is_refused_on_one_process_too(tmp_pat
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters(), lr=0.1)
 
-    trainer = Trainer(
-        strategy=ZeroStrategy(stage=1),
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = quiet_trainer(ZeroStrategy(stage=1), str(tmp_path), devices=1, max_steps=1)
     with pytest.raises(Exception, match="LBFGS"):
         trainer.fit(WithLBFGS())
 
