@@ -9,8 +9,8 @@ forward and backward (stage 3), and the optimizer stepping DTensor shards. On a 
 delays every kernel launch behind it, and one GPU is where many runs start (a debug run, a
 notebook, the first try of a config).
 
-So with a world of one process and no precision policy of the package's own (``param_dtype``
-unset: the parameters are what the optimizer steps), every stage uses :class:`SoloEngine`:
+So with a world of one process and no precision policy (the parameters are what the optimizer
+steps: ``"32-true"``, ``"bf16-true"``), every stage uses :class:`SoloEngine`:
 the module keeps its own parameters, autograd leaves the gradients in ``p.grad``, the optimizer
 is the user's, untouched; no hook is installed. What stays the same as at any other size:
 
@@ -22,8 +22,12 @@ is the user's, untouched; no hook is installed. What stays the same as at any ot
 - ``strategy.gathered()`` and ``full_state_dict()`` give the whole parameters (they are whole).
 
 Not taken: a model built on the meta device at stage 3 (its values come unit by unit from the
-stage-3 engine), and ``param_dtype``/``reduce_dtype`` (fp32 masters live in the stages' flat
-spaces); both keep their stage's engine on one process.
+stage-3 engine), and any precision policy: ``param_dtype``/``reduce_dtype``, and Lightning's
+``"bf16-mixed"``/``"16-mixed"``, which set one (parameters in 16 bits, fp32 masters in the
+stages' flat spaces or stage 0's master copies, [Note: mixed precision] in precision.py). Those
+keep their stage's engine on one process. Taking them needs the master gradients made right
+after each backward (Lightning clips the optimizer's tensors, the masters, between backward and
+step) and the 16-bit accumulation kept as the buckets keep it.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ from lightning_zero.zero.deferred import is_deferred
 
 
 def runs_solo(comm: Communicator, policy: PrecisionPolicy | None, module: nn.Module) -> bool:
-    """Whether a run takes [Note: one process]: one process in the world, no precision policy of
-    the package's own, and (stage 3) a model that has its values already."""
+    """Whether a run takes [Note: one process]: one process in the world, no precision policy, and
+    (stage 3) a model that has its values already."""
     return comm.world.world_size == 1 and policy is None and not is_deferred(module)
 
 

@@ -109,7 +109,7 @@ class _RecordRing:
     """The latest ``size`` CommRecords in storage laid out once, when the ledger is made: numbers in
     typed arrays, strings as references to interned ones, so that a record costs no allocation and
     filling the window does not grow the process (see [Note: bounded ledger]). Reads build the
-    CommRecords; it reads like the deque it replaces (``len``, iteration, ``[i]``)."""
+    CommRecords; it reads like a bounded deque (``len``, iteration, ``[i]``, ``maxlen``)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
