@@ -149,6 +149,10 @@ class Engine:
             if loss is not None:
                 sync.attach_when_backward_starts([loss])
 
+    def finish_backward(self) -> None:
+        """A backward ended (the glue's ``post_backward``); one process makes its master gradients
+        here ([Note: one process] in solo.py)."""
+
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         """The optimizer is about to step (the gradients are final): stages 1-2 take what the user
         made of the parameters' ``.grad`` into the shards ([Note: gradients of whole parameters])."""
@@ -310,6 +314,10 @@ class ShardedOptimizerEngine(Engine):
         if self.sharded_params.rebind():
             self.take_back()
 
+    def finish_backward(self) -> None:
+        """A backward ended (the glue's ``post_backward``); one process makes its master gradients
+        here ([Note: one process] in solo.py)."""
+
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         self.take_assigned()
         self.sharded_params.take_user_grads(index)
@@ -452,6 +460,10 @@ class FullyShardedEngine(Engine):
 
     def gathered(self) -> Any:
         return self.zero3.gathered()
+
+    def finish_backward(self) -> None:
+        """A backward ended (the glue's ``post_backward``); one process makes its master gradients
+        here ([Note: one process] in solo.py)."""
 
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         self.zero3.take_written()  # e.g. the root kept through a step, scaled after backward

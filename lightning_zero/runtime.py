@@ -192,7 +192,7 @@ class ZeroRun:
             report=rank_zero_info,
         )
         solo = runs_solo(group, policy, module)  # see [Note: one process] in solo.py
-        self.engine = SoloEngine(cfg, group) if solo else make_engine(cfg, group, policy)
+        self.engine = SoloEngine(cfg, group, policy) if solo else make_engine(cfg, group, policy)
         return policy
 
     def broadcast_states(self, module: nn.Module) -> None:
@@ -232,9 +232,9 @@ class ZeroRun:
         elif isinstance(engine, ShardedOptimizerEngine):
             check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
             engine.sharded_params.shard_optimizer(optimizer, index)
-        elif isinstance(engine, SoloEngine):  # one process: the optimizer as it is
-            check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
-        else:  # stage 0 under a policy: the groups step the fp32 masters
+        else:  # stage 0 under a policy, or one process: the groups step the fp32 masters, if any
+            if isinstance(engine, SoloEngine) and engine.config.stage > 0:
+                check_shardable(optimizer, resolve_optimizer_classes(engine.config.elementwise_optimizers))
             for group in optimizer.param_groups:
                 group["params"] = [engine.masters.get(id(p), p) for p in group["params"]]
         engine.optimizers.append(optimizer)

@@ -278,6 +278,13 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.prepare_backward(closure_loss)
 
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """The backward ended: one process makes its master gradients ([Note: one process])."""
+        super().post_backward(closure_loss)  # DDP's static-graph step: nothing here (not a DDP module)
+        if self._engine is not None:
+            self._engine.finish_backward()
+
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return next(i for i, opt in enumerate(self.optimizers) if opt is inner)

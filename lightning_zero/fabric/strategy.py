@@ -310,6 +310,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             self._run.engine.prepare_backward(tensor)
         self._run.backwards += 1
         super().backward(tensor, module, *args, **kwargs)
+        if self._run.engine is not None:
+            self._run.engine.finish_backward()  # one process: its master gradients
 
     @override
     def clip_gradients_norm(

@@ -137,11 +137,13 @@ def test_an_optimizer_no_stage_could_shard_is_refused_on_one_process_too(tmp_pat
         trainer.fit(WithLBFGS())
 
 
-def _fabric_run(strategy, order: str) -> dict[str, torch.Tensor]:
+def _fabric_run(
+    strategy, order: str, precision: str = "32-true", accumulate: int = 1
+) -> dict[str, torch.Tensor]:
     from lightning.fabric import Fabric
 
     torch.manual_seed(0)
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
     fabric.launch()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     if order == "together":
@@ -150,12 +152,15 @@ def _fabric_run(strategy, order: str) -> dict[str, torch.Tensor]:
         model = fabric.setup_module(model)
         opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     data = torch.Generator().manual_seed(1)
-    for _ in range(6):
-        fabric.backward(model(torch.randn(4, 8, generator=data)).pow(2).mean())
-        fabric.clip_gradients(model, opt, max_norm=0.5)
-        opt.step()
-        opt.zero_grad()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for step in range(6 * accumulate):
+        last = (step + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            fabric.backward(model(torch.randn(4, 8, generator=data)).pow(2).mean())
+        if last:
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return state
@@ -170,4 +175,44 @@ def test_fabric_on_one_process_trains_as_fabric_alone_at_every_stage(order):
         extra = {"wrap_policy": "torch.nn.Linear"} if stage == 3 else {}
         strategy = ZeroFabricStrategy(stage=stage, **extra)
         assert max_diff(_fabric_run(strategy, order), reference) <= TOL, stage
+        assert isinstance(strategy._run.engine, SoloEngine)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("manual", [False, True])
+def test_under_a_precision_policy_one_process_keeps_the_masters_as_stage_0_does(
+    tmp_path, monkeypatch, precision, manual
+):
+    """16-bit parameters, fp32 masters (the policy these precisions set): the one-process path
+    makes the masters' gradients at the end of each synced backward, so the loss scaler, clipping
+    and accumulation see what stage 0's buckets hand over. Against stage 0's own engine on one
+    process (buckets, hooks), the same program: equal, at every stage."""
+    import lightning_zero.runtime as runtime
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runtime, "runs_solo", lambda *args: False)
+        _, reference = _fit(ZeroStrategy(stage=0), tmp_path / "buckets", precision=precision, manual=manual)
+    torch.distributed.destroy_process_group()
+    for stage in (0, 2, 3):
+        extra = {"wrap_policy": "torch.nn.Linear"} if stage == 3 else {}
+        root = tmp_path / f"zero{stage}"
+        trainer, model = _fit(ZeroStrategy(stage=stage, **extra), root, precision=precision, manual=manual)
+        torch.distributed.destroy_process_group()
+        assert isinstance(trainer.strategy._run.fitted, SoloEngine)
+        assert max_diff(_params(model), _params(reference)) == 0.0, stage
+
+
+@pytest.mark.parametrize("order", ["together", "apart"])
+def test_fabric_on_one_process_under_bf16_mixed_keeps_the_masters_as_stage_0_does(monkeypatch, order):
+    """bf16-mixed with accumulation (``no_backward_sync``) and clipping: equal to stage 0's own
+    engine on one process."""
+    import lightning_zero.runtime as runtime
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runtime, "runs_solo", lambda *args: False)
+        reference = _fabric_run(ZeroFabricStrategy(stage=0), order, "bf16-mixed", accumulate=2)
+    for stage in (0, 2):
+        strategy = ZeroFabricStrategy(stage=stage)
+        assert max_diff(_fabric_run(strategy, order, "bf16-mixed", accumulate=2), reference) == 0.0, stage
         assert isinstance(strategy._run.engine, SoloEngine)
