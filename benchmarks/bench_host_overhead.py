@@ -3,6 +3,7 @@
     python benchmarks/bench_host_overhead.py                       # auto, zero0-3; 4 interleaved repeats
     python benchmarks/bench_host_overhead.py --profile --json host.json
     python benchmarks/bench_host_overhead.py --strategies auto,zero3 --repeats 6
+    python benchmarks/bench_host_overhead.py --precision bf16-mixed       # the GPU check's precision
 
 With one device there is nobody to shard with, so what a stage adds to Lightning's own
 single-device step (``strategy="auto"``) is its machinery alone: hooks, copies, bookkeeping. On a
@@ -34,6 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.bench_step_time import (  # noqa: E402
+    PRECISION_NAMES,
     STRATEGY_NAMES,
     Variant,
     add_run_arguments,
@@ -53,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=15, help="first steps of a run left out of its median")
     p.add_argument("--profile", action="store_true", help="also one cProfile run per variant")
+    p.add_argument(
+        "--precision", default="32-true", choices=PRECISION_NAMES, help="Trainer(precision=) of every run"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the summary and every run here")
     add_run_arguments(p)
     p.set_defaults(model="gpt_tiny", batch_size=4, devices=1)
@@ -118,8 +123,8 @@ def profile(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     found = {}
     extra = ("--profile-from", str(args.warmup))
     for strategy in args.strategies:
-        run_one(Variant(strategy), 0, args, workdir, extra)
-        path = workdir / f"r0_{strategy}_32-true_profile-from_{args.warmup}.json.profile.json"
+        run_one(Variant(strategy, args.precision), 0, args, workdir, extra)
+        path = workdir / f"r0_{strategy}_{args.precision}_profile-from_{args.warmup}.json.profile.json"
         found[strategy] = json.loads(path.read_text())
         buckets = ", ".join(f"{k} {v:.2f}" for k, v in found[strategy]["ms_per_step"].items())
         print(f"{strategy} (cProfile, ms/step): {buckets}")
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench_host_") as tmp:
         for repeat in range(1, args.repeats + 1):
             for strategy in args.strategies:
-                record = run_one(Variant(strategy), repeat, args, Path(tmp))
+                record = run_one(Variant(strategy, args.precision), repeat, args, Path(tmp))
                 runs.append(record)
                 print(
                     f"repeat {repeat}/{args.repeats}  {strategy:<6} median step "
