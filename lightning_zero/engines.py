@@ -87,10 +87,14 @@ class Engine:
         self.optimizers = list(optimizers)
         self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
-        self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
+        self.wrapped = self._wrap(module)
         if initial:
             self._use_masters(optimizers, initial)
         return self.wrapped
+
+    def _wrap(self, module: nn.Module) -> ZeroModule:
+        """The root wrapper with the stage's gradient synchronisation (stage 0: buckets and hooks)."""
+        return wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
 
     def _use_masters(self, optimizers: Sequence[Optimizer], initial: dict) -> None:
         """Stage 0 under a policy: the optimizers step whole fp32 masters (see [Note: mixed precision])."""
@@ -301,7 +305,7 @@ class ShardedOptimizerEngine(Engine):
         self.optimizers = list(optimizers)
         self.params = [p for _, p in trainable_parameters(module)]
         initial = cast_parameters(module, self.policy)
-        self.wrapped = wrap_module(module, self.comm, self.config, reduce_dtype=self._reduce_dtype)
+        self.wrapped = self._wrap(module)
         self.sharded_params = ShardedParams(self.wrapped.sync, self.comm, initial)  # flat buckets, shards
         self.wrapped.sync.before_forward = self.take_assigned
         for index, optimizer in enumerate(optimizers):
@@ -313,10 +317,6 @@ class ShardedOptimizerEngine(Engine):
         fp32 masters (see [Note: parameters assigned by hand] in zero/optimizer.py)."""
         if self.sharded_params.rebind():
             self.take_back()
-
-    def finish_backward(self) -> None:
-        """A backward ended (the glue's ``post_backward``); one process makes its master gradients
-        here ([Note: one process] in solo.py)."""
 
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         self.take_assigned()
@@ -460,10 +460,6 @@ class FullyShardedEngine(Engine):
 
     def gathered(self) -> Any:
         return self.zero3.gathered()
-
-    def finish_backward(self) -> None:
-        """A backward ended (the glue's ``post_backward``); one process makes its master gradients
-        here ([Note: one process] in solo.py)."""
 
     def before_step(self, optimizer: Optimizer, index: int) -> None:
         self.zero3.take_written()  # e.g. the root kept through a step, scaled after backward

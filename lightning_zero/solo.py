@@ -46,8 +46,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
 from lightning_zero.engines import Engine, _check_optimizers
-from lightning_zero.grad_sync import ZeroModule, trainable_parameters
-from lightning_zero.precision import PrecisionPolicy, cast_parameters
+from lightning_zero.grad_sync import ZeroModule
+from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.deferred import is_deferred
 
 
@@ -132,12 +132,8 @@ class SoloEngine(Engine):
             module.to(device)
         if self.config.stage > 0:
             _check_optimizers(self.config, optimizers)
-        self.optimizers = list(optimizers)
-        self.params = [p for _, p in trainable_parameters(module)]
-        initial = cast_parameters(module, self.policy)
-        self.wrapped = ZeroModule(
-            module, SoloSync(self.label, self.params), self.comm, broadcast_buffers=False
-        )
-        if initial:
-            self._use_masters(optimizers, initial)
-        return self.wrapped
+        return super().setup(module, optimizers)
+
+    def _wrap(self, module: nn.Module) -> ZeroModule:
+        """The root wrapper with nothing to synchronise: no hook, no bucket."""
+        return ZeroModule(module, SoloSync(self.label, self.params), self.comm, broadcast_buffers=False)

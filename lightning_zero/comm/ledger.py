@@ -18,9 +18,11 @@ A run issues a few collectives per step for as long as it trains, so the ledger 
 things of bounded size instead of one list that grows with the run:
 
 - ``records``: the latest ``max_records`` CommRecords (the detail: names, sizes), oldest dropped
-  first; the names are interned, so the records of one bucket or unit share one string. ``recorded`` counts every record ever made, and ``records_since(n)`` returns those made
-  after the n-th, so a reader that remembers ``recorded`` reads only what is new: the monitor's
-  cost per step is the number of collectives of that step, whatever the length of the run.
+  first, in storage laid out when the ledger is made (names interned: the records of one bucket
+  or unit share one string). ``recorded`` counts every record ever made, and
+  ``records_since(n)`` returns those made after the n-th, so a reader that remembers
+  ``recorded`` reads only what is new: the monitor's cost per step is the number of collectives
+  of that step, whatever the length of the run.
 - per-step aggregates (calls, payload, wire bytes, seconds blocked, per op) of the latest
   ``max_steps`` steps (about 1 KB a step: what a monitor or a benchmark reads back, the last steps);
 - run totals per op, and the seconds blocked per op, over the whole run.
