@@ -7,12 +7,29 @@ the failure state. :class:`ZeroRun` owns them and does what a run does with them
 save, read, report a failure, end); the two strategy classes (``strategy.py`` for the Trainer,
 ``fabric/strategy.py`` for Fabric) translate their framework's calls into these, and add only what
 their framework has alone (the Trainer's signals and fit-time plugins; Fabric's optimizers set up
-apart from their model, its state keys and its exception hook). So a behaviour exists once, and
-a change to it reaches both glues.
+apart from their model, its state keys and its exception hook). What both classes do alike with
+the run (properties, the framework's own collectives, the model's state, the step) is written once
+in ``glue.py``, a base class ahead of each framework's ``DDPStrategy``. So a behaviour exists once,
+and a change to it reaches both glues.
+
+[Note: set up together or apart]
+``fabric.setup(model, optimizer, ...)`` gives the model and its optimizers at once and the engine
+wraps them together. ``fabric.setup(model)`` (or ``setup_module``) gives the model alone, as litgpt and
+Lightning's FSDP examples do: the model is wrapped at once (stage 3: built on the meta device, it is
+given its values and sharded unit by unit here), so ``model.parameters()`` afterwards are the model's
+own parameters as set up (stage 3: DTensors holding this rank's shards). An optimizer
+made from them and passed to ``setup_optimizers`` is then laid onto the engine's flat spaces in place
+(:meth:`ZeroRun.add_optimizer`): stages 1-3 give each param group the sub-shards of its parameters, stage 0 under a
+mixed-precision policy its fp32 masters; stage 0 in the model's own dtype keeps it as it is. Loading
+weights (``fabric.load_raw``, ``fabric.load``) may come before or after. The set of optimizers closes
+when training begins (the model's first forward, or ``no_backward_sync``): gradients and optimizer
+steps are laid out for the optimizers known then, so one set up later is an error that says so.
+Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +62,8 @@ from lightning_zero.signals import check_counts, with_counts
 from lightning_zero.solo import SoloEngine, runs_solo
 from lightning_zero.zero.deferred import meta_init
 from lightning_zero.zero.optimizer import check_shardable
+
+log = logging.getLogger(__name__)
 
 START_METHODS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))  # name suffix, start method
 
@@ -212,14 +231,32 @@ class ZeroRun:
         wrapped = engine.setup(module, optimizers, device=device, rng_state=self.init_rng)
         return wrapped
 
-    def add_optimizer(self, module: nn.Module, optimizer: Optimizer, index: int) -> None:
-        """An optimizer made after its model was wrapped: its groups take the tensors the engine
-        steps for their parameters, as ``wrap`` does for the optimizers it is given (see [Note: set
-        up together or apart] in fabric/strategy.py). ``index``: its place among the model's optimizers."""
+    def add_optimizer(
+        self, module: nn.Module | None, optimizer: Optimizer, known: Sequence[Optimizer], *, closed: bool
+    ) -> None:
+        """An optimizer made after its model was wrapped (``known``: those set up before it; ``closed``:
+        training began): its groups take the tensors the engine steps for their parameters, as
+        ``wrap`` does for the optimizers it is given (see [Note: set up together or apart])."""
         engine = self.engine
-        assert engine is not None
+        if engine is None or module is None:
+            raise RuntimeError(
+                "ZeroFabricStrategy: set up the model before its optimizers (model = fabric.setup(model), "
+                "then optimizer = fabric.setup_optimizers(optimizer)), or both at once: "
+                "model, optimizer = fabric.setup(model, optimizer)"
+            )
+        if closed and engine.needs_optimizers_first:
+            raise RuntimeError(
+                f"ZeroFabricStrategy(stage={self.config.stage}) already laid out the model's shards and trained with "
+                f"the {len(known)} optimizer(s) set up before training began (the model's first "
+                "forward, or no_backward_sync); it cannot shard another one. Set up every optimizer before "
+                "that: fabric.setup_optimizers(opt1, opt2) right after fabric.setup(model), or "
+                "fabric.setup(model, opt1, opt2)"
+            )
+        if any(opt is optimizer for opt in known):
+            raise ValueError(f"this {type(optimizer).__name__} is set up already")
         if not engine.needs_optimizers_first:
             return
+        index = len(known)
         _check_own_parameters(module, optimizer, engine)
         if optimizer.state:
             raise ValueError(
@@ -257,6 +294,18 @@ class ZeroRun:
         return measure(module, grads, list(optimizers), extra_params=extra)
 
     # -- checkpoints -----------------------------------------------------------------------------
+
+    def prepare_folders(self, folders: Sequence[str], *, fitting: bool) -> None:
+        """The run's checkpoint folders: when fitting, a read-only or missing one is named now, not at
+        the first save (every rank checks it for the sharded form); what interrupted saves left there
+        (``.NAME.partial``) is removed by rank 0."""
+        if fitting:
+            every_rank = self.config.state_dict_type == "sharded"
+            checkpoints.check_writable(list(folders), self.comm, every_rank=every_rank)
+        if self.comm.me == 0:
+            for folder in folders:
+                for stale in checkpoints.remove_stale_partials(folder):
+                    log.info(f"removed {stale}, left by a save that did not finish")
 
     def shared_path(self, path: Any, device: torch.device) -> str:
         """Rank 0's path on every rank: all of them read or write the same checkpoint."""
@@ -315,6 +364,8 @@ class ZeroRun:
             optimizer, state = optimizers[index], states[index]
             if isinstance(state, checkpoints.ShardedOptimizerState):
                 checkpoints.load_sharded_optimizer(module, self.engine, self.comm, optimizer, state)
+            elif self.engine is None:  # after fit, or not fitting: the optimizer as the user made it
+                optimizer.load_state_dict(state)
             else:
                 self.engine.load_optimizer_state(optimizer, index, state)
         _optimizers_to_device(list(optimizers), device)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -12,7 +11,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -27,33 +25,13 @@ from typing_extensions import override
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
-from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engines import Engine
+from lightning_zero.glue import RunGlue
 from lightning_zero.grad_sync import ZeroModule
 from lightning_zero.guard import NonFiniteGuard
-from lightning_zero.memory import MemoryReport
-from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping, training_precision
-from lightning_zero.runtime import ZeroRun, config_of, register_names
+from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping
 from lightning_zero.signals import StepBoundary
-from lightning_zero.zero.deferred import is_deferred
-
-log = logging.getLogger(__name__)
-
-
-@contextmanager
-def _kept_on_meta(module: nn.Module | None) -> Generator[None, None, None]:
-    """Lightning's teardown moves the module to the CPU; a setup that failed while giving a
-    meta-device model its values leaves tensors there that cannot move, and the move would hide
-    the real error: skip it then."""
-    if module is None or not is_deferred(module):
-        yield
-        return
-    module.cpu = lambda *args, **kwargs: module  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.cpu
+from lightning_zero.zero.deferred import kept_on_meta
 
 
 def _checkpoint_folders(trainer: pl.Trainer) -> list[str]:
@@ -63,14 +41,7 @@ def _checkpoint_folders(trainer: pl.Trainer) -> list[str]:
     return sorted(folders)
 
 
-def _clear_stale_partials(trainer: pl.Trainer) -> None:
-    """What interrupted saves left (``.NAME.partial``) in the run's checkpoint folders."""
-    for folder in _checkpoint_folders(trainer):
-        for stale in checkpoints.remove_stale_partials(folder):
-            log.info(f"removed {stale}, left by a save that did not finish")
-
-
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(RunGlue, DDPStrategy):
     """Data parallelism with ZeRO sharding, gradient synchronisation done by this package.
 
     Keeps Lightning's DDP launchers, cluster environments, ranks and samplers; replaces torch's
@@ -103,8 +74,7 @@ class ZeroStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        self._run = ZeroRun(config_of(stage, config, options))  # see [Note: one runtime, two glues]
-        self._config = self._run.config
+        self._start_run(stage, config, options)  # see [Note: one runtime, two glues]
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -124,42 +94,13 @@ class ZeroStrategy(DDPStrategy):
         )
 
     @property
-    def config(self) -> ZeroConfig:
-        return self._config
-
-    @property
-    def ledger(self) -> CommLedger:
-        """Every collective issued by this strategy, grouped by optimizer step."""
-        return self._run.ledger
-
-    @property
     def nonfinite_guard(self) -> NonFiniteGuard | None:
         """The non-finite guard while fitting with ``nonfinite_grads`` on (its ``skipped_steps``)."""
         return self._guard
 
-    @property
-    def engine(self) -> Engine | None:
-        """The stage's mechanism (hooks, buckets, shards, units) while fitting."""
-        return self._run.engine
-
-    @property
-    def _engine(self) -> Engine | None:
-        return self._run.engine
-
-    def gathered(self) -> Any:
-        """Stage 3: every unit's full parameters inside this context; every rank must enter it
-        together. Inside a training step with gradients enabled they stay gathered until the end of
-        the next backward, so a term computed from them (a penalty) reaches them; otherwise they are
-        freed on leaving. The other stages hold whole parameters: it changes nothing there."""
-        return self._engine.gathered() if self._engine is not None else nullcontext()
-
-    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Any]:
-        """The LightningModule's state dict with full parameter values, in CPU memory (all ranks call
-        it). Stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others
-        ``{}``), so no rank ever holds the whole model beyond it. Works during and after ``fit``."""
-        return self._run.full_state_dict(
-            self.lightning_module, rank0_only=rank0_only, global_rank=self.global_rank
-        )
+    def _user_model(self) -> nn.Module:
+        assert self.lightning_module is not None
+        return self.lightning_module
 
     @property
     def _sharded_after_fit(self) -> bool:
@@ -171,33 +112,17 @@ class ZeroStrategy(DDPStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` at stage 3: modules on the meta device, given values
         at setup one unit at a time (see [Note: deferred initialisation]); otherwise as for DDP."""
-        if self._config.stage == 3 and empty_init:
-            with self._run.deferred_init(self.root_device), self.precision_plugin.tensor_init_context():
+        meta = self._meta_init(empty_init)
+        with meta or super().tensor_init_context(empty_init=empty_init):
+            with self.precision_plugin.tensor_init_context() if meta else nullcontext():
                 yield
-            return
-        with super().tensor_init_context(empty_init=empty_init):
-            yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: at stage 3 modules are built on the meta device (see
-        ``tensor_init_context``); the other stages build them as DDP does."""
-        if self._config.stage != 3:
+        """Around ``configure_model``: as ``tensor_init_context(empty_init=True)`` at stage 3."""
+        with self._meta_init() or nullcontext():
             yield
-            return
-        with self._run.deferred_init(self.root_device):
-            yield
-
-    @property
-    def comm(self) -> Communicator:
-        return self._run.comm
-
-    @override
-    def setup_environment(self) -> None:
-        """Before the model exists: the CPU allocator setting (see ``allocator.py``), then DDP's."""
-        self._run.prepare_process(self.root_device)
-        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -207,42 +132,38 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        if not (fitting and self._config.stage == 3):  # stage 3 shards on the host, unit by unit
+        if not (fitting and self.config.stage == 3):  # stage 3 shards on the host, unit by unit
             self.model_to_device()
             if not self._sharded_after_fit:
                 self._run.broadcast_states(self.model)
         self._run.watch_faults()
-        if fitting:  # a read-only or missing folder is named now, not at the first save
-            sharded = self._config.state_dict_type == "sharded"
-            checkpoints.check_writable(_checkpoint_folders(trainer), self.comm, every_rank=sharded)
-        self._boundary = StepBoundary(self.comm, f"zero{self._config.stage}")
+        self._run.prepare_folders(_checkpoint_folders(trainer), fitting=fitting)
+        self._boundary = StepBoundary(self.comm, f"zero{self.config.stage}")
         self._boundary.install(
-            trainer, handle_signals=self._config.handle_signals, backwards=lambda: self._run.backwards
+            trainer, handle_signals=self.config.handle_signals, backwards=lambda: self._run.backwards
         )
-        if self.is_global_zero:
-            _clear_stale_partials(trainer)
         if fitting:
-            cfg = self._config
-            policy = self._run.new_engine(
-                self.model, self.precision_plugin.precision, self.num_nodes, self.root_device
-            )
-            off = cfg.nonfinite_grads == "off"
-            self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self._engine.label)
-            self._user_precision_plugin = self.precision_plugin
-            self.precision_plugin = training_precision(
-                self.precision_plugin, policy, self.comm, self._engine.label, self.root_device.type
-            )
-            if self._engine.needs_optimizers_first:  # shards follow the optimizer's param groups
-                self.setup_optimizers(trainer)
-                self.configure_ddp()
-            else:
-                self.configure_ddp()
-                self.setup_optimizers(trainer)
+            self._start_fitting(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self._engine is not None and self._engine.sharded:
+        if self.engine is not None and self.engine.sharded:
             install_sharded_clipping(self.precision_plugin, self._clip_grad_norm, self._before_step)
+
+    def _start_fitting(self, trainer: pl.Trainer) -> None:
+        """The engine, the non-finite guard and the training precision, then the model wrapped with
+        its optimizers (stages 1-3 lay the shards out along the optimizers' param groups first)."""
+        cfg = self.config
+        self._user_precision_plugin = self.precision_plugin
+        self.precision_plugin = self._new_engine(self.model, self.precision_plugin)
+        off = cfg.nonfinite_grads == "off"
+        self._guard = None if off else NonFiniteGuard(self.comm, cfg.nonfinite_grads, self.engine.label)
+        if self.engine.needs_optimizers_first:
+            self.setup_optimizers(trainer)
+            self.configure_ddp()
+        else:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -264,26 +185,22 @@ class ZeroStrategy(DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's accumulation window (and ``toggle_model(sync_grad=False)``): no collective runs."""
-        if self._engine is None:
+        if self.engine is None:
             yield None
             return
-        with self._engine.no_sync():
+        with self.engine.no_sync():
             yield None
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Lightning's closure calls ``zero_grad`` between forward and backward: the gradients go back
         into their buckets before backward, so autograd accumulates there (no second copy)."""
-        self._run.backwards += 1  # agreed before every batch ([Note: steps agreed] in signals.py)
-        if self._engine is not None:
-            self._engine.prepare_backward(closure_loss)
+        self._backward_begins(closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """The backward ended: one process makes its master gradients ([Note: one process])."""
         super().post_backward(closure_loss)  # DDP's static-graph step: nothing here (not a DDP module)
-        if self._engine is not None:
-            self._engine.finish_backward()
+        self._backward_ended()
 
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -291,13 +208,13 @@ class ZeroStrategy(DDPStrategy):
 
     def _before_step(self, optimizer: Optimizer) -> None:
         """The closure ran: what the user made of the gradients is what the optimizer steps."""
-        if self._engine is not None:
+        if self.engine is not None:
             index = self._optimizer_index(optimizer)
-            self._engine.before_step(self.optimizers[index], index)
+            self.engine.before_step(self.optimizers[index], index)
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        assert self._engine is not None
-        return self._engine.clip_grad_norm_(self.optimizers[self._optimizer_index(optimizer)], max_norm)
+        assert self.engine is not None
+        return self.engine.clip_grad_norm_(self.optimizers[self._optimizer_index(optimizer)], max_norm)
 
     @override
     def optimizer_step(
@@ -310,20 +227,13 @@ class ZeroStrategy(DDPStrategy):
         guard = (
             self._guard if getattr(self.precision_plugin, "scaler", None) is None else None
         )  # fp16: the scaler's
-        index = self._optimizer_index(optimizer) if self._engine is not None else None
-        try:
+        step = super().optimizer_step
+        with self._stepping(self._optimizer_index(optimizer) if self.engine is not None else None):
             if guard is None:
-                output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            else:
-                step = self.lightning_module.trainer.global_step
-                with guard.guarding(optimizer, step=step, device=self.root_device):
-                    output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            if index is not None:
-                self._engine.step_ended(index)
-        if index is not None:
-            self._engine.after_step(self.optimizers[index], index)
-        return output
+                return step(optimizer, closure, model, **kwargs)
+            trainer_step = self.lightning_module.trainer.global_step
+            with guard.guarding(optimizer, step=trainer_step, device=self.root_device):
+                return step(optimizer, closure, model, **kwargs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -335,22 +245,16 @@ class ZeroStrategy(DDPStrategy):
         returned (see [Note: after fitting] in engines.py).
         """
         engine = self._run.state_engine
-        if engine is None and self._config.state_dict_type == "full":
+        if engine is None and self.config.state_dict_type == "full":
             return super().optimizer_state(optimizer)
         index = self._optimizer_index(optimizer)
-        sharded = self._config.state_dict_type == "sharded"
+        sharded = self.config.state_dict_type == "sharded"
         return optimizer_state(self.lightning_module, engine, self.optimizers[index], index, sharded=sharded)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Every optimizer's saved state, each rank its part (stages 1-3: its shards)."""
         states = checkpoint["optimizer_states"]
-        if self._engine is None and not any(isinstance(s, checkpoints.ShardedOptimizerState) for s in states):
-            if len(states) != len(self.optimizers):
-                raise checkpoints.CheckpointError(
-                    f"the checkpoint holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers"
-                )
-            super().load_optimizer_state_dict(checkpoint)
-            return
         self._run.load_optimizers(self.lightning_module, self.optimizers, states, self.root_device)
 
     @override
@@ -362,14 +266,12 @@ class ZeroStrategy(DDPStrategy):
         slices of what the hooks left ([Note: hooks see tensors] in ``checkpoint/hooks.py``)."""
         assert self.lightning_module is not None
         engine = self._run.state_engine
-        state = self._full_form_state(engine)  # in both forms: see [Note: hooks see tensors]
+        if engine is None:
+            state = super().lightning_module_state_dict()
+        else:  # in both forms: see [Note: hooks see tensors]
+            state = model_state(self.lightning_module, engine, sharded=False)
         self._handed = dict(state)  # the values handed out (hooks may replace them in the dict itself)
         return state
-
-    def _full_form_state(self, engine: Engine | None) -> dict[str, Any]:
-        if engine is None:
-            return super().lightning_module_state_dict()
-        return model_state(self.lightning_module, engine, sharded=False)
 
     @property
     @override
@@ -393,7 +295,7 @@ class ZeroStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None
     ) -> None:
         path, module = self._run.shared_path(filepath, self.root_device), self.lightning_module
-        sharded = self._config.state_dict_type == "sharded"
+        sharded = self.config.state_dict_type == "sharded"
         if sharded and "state_dict" in checkpoint and self._handed is not None:
             to_sharded_state(checkpoint, self._handed, module, self._run.state_engine)
             self._handed = None
@@ -420,11 +322,6 @@ class ZeroStrategy(DDPStrategy):
         if self.is_global_zero:
             checkpoints.remove(filepath, self.checkpoint_io)
 
-    def memory_report(self) -> MemoryReport:
-        """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
-        assert self.lightning_module is not None
-        return self._run.memory_report(self.lightning_module, self.optimizers)
-
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -435,26 +332,10 @@ class ZeroStrategy(DDPStrategy):
             self._boundary.begin(trainer)  # agreed at the batch's end (signals.py)
 
     @override
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barriers go through the communicator: a peer's failure ends them too."""
-        self._run.barrier(name)
-
-    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Lightning's reduce (``self.log(sync_dist=True)``), tracked for the watchdog (watchdog.py)."""
         with self._run.foreign("reduce", tensor):
             return super().reduce(tensor, group, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Lightning's all-gather, tracked and checked with its shapes (ZeroRun.foreign)."""
-        with self._run.foreign("all_gather", tensor):
-            return super().all_gather(tensor, group, sync_grads)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Lightning's object broadcasts go through the communicator, as the barriers do."""
-        return self._run.broadcast(obj, src, self.root_device)
 
     @override
     def teardown(self) -> None:
@@ -469,10 +350,5 @@ class ZeroStrategy(DDPStrategy):
                 self.precision_plugin = self._user_precision_plugin
         if isinstance(self.model, ZeroModule):
             self.model = self.lightning_module
-        with _kept_on_meta(self.lightning_module):
+        with kept_on_meta(self.lightning_module):
             super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(cls, strategy_registry)

@@ -39,9 +39,22 @@ class Failing(Protocol):
     _run: ZeroRun
     comm: Communicator
 
-    def _report_failure(self, exception: BaseException) -> bool: ...
 
-    def _leave_last(self) -> None: ...
+def publish(run: ZeroRun, exception: BaseException) -> bool:
+    """User code raised ``exception`` on this rank: tell every rank why (once), as the Trainer's
+    ``on_exception`` does; no collective runs after it. True when this rank published its own
+    failure (not a peer's it noticed)."""
+    if run.failed or run._comm is None or run.comm.board is None:
+        return False
+    run.report_failure(exception, step=run.ledger.step)
+    return run.comm.published
+
+
+def leave_last(run: ZeroRun) -> None:
+    """After publishing its failure this rank waits for its peers; its heartbeat stops first: the
+    peers need it no more, and the store may go with rank 0 meanwhile."""
+    run.stop_watchdog()
+    wait_until_read(run.comm)
 
 
 class FailureHook:
@@ -65,10 +78,10 @@ class FailureHook:
             sys.excepthook = self.previous
 
     def __call__(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        published = self.strategy._report_failure(error)  # first: the peers stop waiting at once
+        published = publish(self.strategy._run, error)  # first: the peers stop waiting at once
         self.previous(kind, error, tb)
         if published:
-            self.strategy._leave_last()
+            leave_last(self.strategy._run)
         # the interpreter exits: status 1, the process group kept (comm/collectives.py)
 
 
@@ -82,9 +95,9 @@ class ReportingLauncher(_MultiProcessingLauncher):
             super()._wrapping_function(process_idx, *args)
         except (Exception, KeyboardInterrupt) as error:
             strategy: Failing = self._strategy  # type: ignore[assignment]
-            if strategy._report_failure(error):  # its own: the parent may report a peer's instead
+            if publish(strategy._run, error):  # its own: the parent may report a peer's instead
                 traceback.print_exc()
-                strategy._leave_last()
+                leave_last(strategy._run)
             elif strategy._run.failed:  # a peer's: rank 0 keeps the store until the others have read it
                 strategy.comm.linger_for_peers()
             raise  # torch's wrapper hands it to the parent and exits: status 1, the group kept

@@ -1,20 +1,7 @@
 """ZeroFabricStrategy: ZeRO for Lightning Fabric: the Fabric glue over the engines the Trainer's glue uses.
 
-[Note: set up together or apart]
-``fabric.setup(model, optimizer, ...)`` gives the model and its optimizers at once and the engine
-wraps them together. ``fabric.setup(model)`` (or ``setup_module``) gives the model alone, as litgpt and
-Lightning's FSDP examples do: the model is wrapped at once (stage 3: built on the meta device, it is
-given its values and sharded unit by unit here), so ``model.parameters()`` afterwards are the model's
-own parameters as set up (stage 3: sharded placeholders, which no computation may read). An optimizer
-made from them and passed to ``setup_optimizers`` is then laid onto the engine's flat spaces in place
-(``ZeroRun.add_optimizer``): stages 1-3 give each param group the sub-shards of its parameters, stage 0 under a
-mixed-precision policy its fp32 masters; stage 0 in the model's own dtype keeps it as it is. Loading
-weights (``fabric.load_raw``, ``fabric.load``) may come before or after. The set of optimizers closes
-when training begins (the model's first forward, or ``no_backward_sync``): gradients and optimizer
-steps are laid out for the optimizers known then, so one set up later is an error that says so.
-Every rank must take the same steps in the same order (the wrap broadcasts rank 0's parameters).
-
-Failures in a Fabric loop reach every rank through ``failures.py`` ([Note: failures in a Fabric
+How its model and optimizers are set up, together or apart: [Note: set up together or apart] in
+``runtime.py``. Failures in a Fabric loop reach every rank through ``failures.py`` ([Note: failures in a Fabric
 loop]); saves and loads map Fabric's state dicts through ``checkpoint.py``; what a run does is the
 run's (``runtime.py``, [Note: one runtime, two glues]).
 """
@@ -32,7 +19,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -43,18 +29,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
-from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import Engine
 from lightning_zero.fabric import checkpoint as fcheckpoint
-from lightning_zero.fabric.failures import FailureHook, ReportingLauncher, wait_until_read
+from lightning_zero.fabric.failures import FailureHook, ReportingLauncher
+from lightning_zero.glue import RunGlue
 from lightning_zero.grad_sync import ZeroModule
-from lightning_zero.memory import MemoryReport
-from lightning_zero.precision import training_precision
-from lightning_zero.runtime import ZeroRun, config_of, register_names
 
 
-class ZeroFabricStrategy(DDPStrategy, _Sharded):
+class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
     """ZeRO data parallelism in Lightning Fabric: ``L.Fabric(strategy="zero3", ...)``.
 
     The same stages, options, engines and checkpoint formats as the Trainer's
@@ -89,7 +72,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        self._run = ZeroRun(config_of(stage, config, options))  # see [Note: one runtime, two glues]
+        self._start_run(stage, config, options)  # see [Note: one runtime, two glues]
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -107,24 +90,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._optimizers: list[Optimizer] = []  # set up with the model, in order (engine indices)
         self._hook: FailureHook | None = None  # sys.excepthook while the strategy is active
 
-    @property
-    def config(self) -> ZeroConfig:
-        return self._run.config
-
-    @property
-    def ledger(self) -> CommLedger:
-        """Every collective issued by this strategy; its step is the number of optimizer steps taken
-        (of the first optimizer set up)."""
-        return self._run.ledger
-
-    @property
-    def engine(self) -> Engine | None:
-        """The stage's mechanism (hooks, buckets, shards, units), once a model is set up."""
-        return self._run.engine
-
-    @property
-    def comm(self) -> Communicator:
-        return self._run.comm
+    def _user_model(self) -> nn.Module:
+        self._ready()
+        assert self._module is not None
+        return self._module
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -141,30 +110,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_environment(self) -> None:
-        """The CPU allocator setting (before the model exists, see ``allocator.py``), the process
-        group (every rank, at ``fabric.launch()``), then the fault board, the watchdog and the
-        exception hook (see [Note: failures in a Fabric loop])."""
-        self._run.prepare_process(self.root_device)
+        """As the Trainer's, then the fault board, the watchdog and the exception hook (see [Note:
+        failures in a Fabric loop])."""
         super().setup_environment()
         if self._run.watch_faults() and self._hook is None:
             self._hook = FailureHook.install(self)
-
-    def _report_failure(self, exception: BaseException) -> bool:
-        """User code raised ``exception`` on this rank: tell every rank why (once), as the Trainer's
-        ``on_exception`` does; no collective runs after it. True when this rank published its own
-        failure (not a peer's it noticed)."""
-        run = self._run
-        if run.failed or run._comm is None or run.comm.board is None:
-            return False
-        run.report_failure(exception, step=run.ledger.step)
-        return run.comm.published
-
-    def _leave_last(self) -> None:
-        """After publishing its failure this rank waits for its peers (see [Note: failures in a
-        Fabric loop]); its heartbeat stops first: the peers need it no more, and the store may go
-        with rank 0 meanwhile."""
-        self._run.stop_watchdog()
-        wait_until_read(self.comm)
 
     # -- setting up ------------------------------------------------------------------------------
 
@@ -188,24 +138,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Lay ``optimizer`` onto the model's flat spaces (see [Note: set up together or apart])."""
-        if self._run.engine is None:
-            raise RuntimeError(
-                "ZeroFabricStrategy: set up the model before its optimizers (model = fabric.setup(model), "
-                "then optimizer = fabric.setup_optimizers(optimizer)), or both at once: "
-                "model, optimizer = fabric.setup(model, optimizer)"
-            )
-        if self._closed and self._run.engine.needs_optimizers_first:
-            raise RuntimeError(
-                f"ZeroFabricStrategy(stage={self.config.stage}) already laid out the model's shards and trained with "
-                f"the {len(self._optimizers)} optimizer(s) set up before training began (the model's first "
-                "forward, or no_backward_sync); it cannot shard another one. Set up every optimizer before "
-                "that: fabric.setup_optimizers(opt1, opt2) right after fabric.setup(model), or "
-                "fabric.setup(model, opt1, opt2)"
-            )
-        if any(opt is optimizer for opt in self._optimizers):
-            raise ValueError(f"this {type(optimizer).__name__} is set up already")
-        assert self._module is not None
-        self._run.add_optimizer(self._module, optimizer, len(self._optimizers))
+        self._run.add_optimizer(self._module, optimizer, self._optimizers, closed=self._closed)
         self._optimizers.append(optimizer)
         _optimizers_to_device([optimizer], self.root_device)
         return optimizer
@@ -217,13 +150,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                 f"ZeroFabricStrategy sets up one model per Fabric; {type(self._module).__name__} is set up already. "
                 "Put the models into one nn.Module, or give each its own Fabric"
             )
-        policy = self._run.new_engine(module, self.precision.precision, self.num_nodes, self.root_device)
-        engine = self._run.engine
-        self.precision = training_precision(
-            self.precision, policy, self.comm, engine.label, self.root_device.type
-        )
+        self.precision = self._new_engine(module, self.precision)
         self._module = module
-        return engine
+        return self._run.engine
 
     def _wrap(self) -> None:
         """Rank 0's parameters everywhere, then the engine's wrapper with the optimizers it shards."""
@@ -293,11 +222,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine = self._ready()
         index = self._index(optimizer)
         engine.before_step(self._optimizers[index], index)
-        try:
+        with self._stepping(index):
             output = super().optimizer_step(optimizer, **kwargs)
-        finally:
-            engine.step_ended(index)
-        engine.after_step(self._optimizers[index], index)
         self._run.steps += 1
         if index == 0:
             self.ledger.begin_step(self.ledger.step + 1)
@@ -305,13 +231,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """A backward that raised before is noticed first (see [Note: a backward that raised])."""
-        if self._run.engine is not None:
-            self._run.engine.prepare_backward(tensor)
-        self._run.backwards += 1
+        self._backward_begins(tensor)
         super().backward(tensor, module, *args, **kwargs)
-        if self._run.engine is not None:
-            self._run.engine.finish_backward()  # one process: its master gradients
+        self._backward_ended()
 
     @override
     def clip_gradients_norm(
@@ -340,49 +262,16 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         return engine.clip_grad_norm_(optimizer, float(max_norm), error_if_nonfinite=error_if_nonfinite)
 
     @override
-    @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
         """Fabric's all-reduce, tracked and checked with its shapes (ZeroRun.foreign)."""
         with self._run.foreign("reduce", tensor):
             return super().all_reduce(tensor, group, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Fabric's all-gather, tracked and checked with its shapes (ZeroRun.foreign)."""
-        with self._run.foreign("all_gather", tensor):
-            return super().all_gather(tensor, group, sync_grads)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Fabric's barrier goes through the communicator: a peer's failure ends it too."""
-        self._run.barrier(None)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Fabric's object broadcast goes through the communicator, as the barrier does."""
-        return self._run.broadcast(obj, src, self.root_device)
 
     def module_to_device(self, module: nn.Module) -> None:
         """Stage 3 places only shards on the device, unit by unit, when the model is set up (a model
         built on the meta device cannot move before it has values); the other stages move it whole."""
         if self.config.stage != 3:
             super().module_to_device(module)
-
-    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, Any]:
-        """The model's state dict with full parameter values, in CPU memory (every rank calls it);
-        stage 3 gathers one flat space at a time; ``rank0_only``: only rank 0 gets it (the others ``{}``)."""
-        self._ready()
-        return self._run.full_state_dict(self._module, rank0_only=rank0_only, global_rank=self.global_rank)
-
-    def gathered(self) -> AbstractContextManager:
-        """Stage 3: every unit's full parameters inside; every rank must enter it together (see the
-        Trainer strategy's ``gathered``). The other stages hold whole parameters: nothing changes."""
-        return self._ready().gathered() if self._run.engine is not None else nullcontext()
-
-    def memory_report(self) -> MemoryReport:
-        """Model-state bytes held by this rank now: parameters, gradients, optimizer state."""
-        self._ready()
-        return self._run.memory_report(self._module, self._optimizers)
 
     # -- creating the model ----------------------------------------------------------------------
 
@@ -398,18 +287,12 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        """At stage 3 modules created inside are built on the meta device and given their values
-        unit by unit when the model is set up (see [Note: deferred initialisation]); the other
-        stages create them as DDP does."""
-        return self._run.deferred_init(self.root_device) if self.config.stage == 3 else nullcontext()
+        return self._meta_init() or nullcontext()
 
     def _init_context(self, empty_init: bool | None) -> AbstractContextManager:
-        """Where parameters come to life: at stage 3 with ``empty_init=True`` on the meta device,
-        given values unit by unit at setup; otherwise on the device, full size, initialised unless
-        ``empty_init``."""
-        if self.config.stage == 3 and empty_init:
-            return self._run.deferred_init(self.root_device)
-        return _EmptyInit(enabled=bool(empty_init))
+        """At stage 3 with ``empty_init=True`` on the meta device; otherwise on the device, full size,
+        initialised unless ``empty_init``."""
+        return self._meta_init(empty_init) or _EmptyInit(enabled=bool(empty_init))
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -488,11 +371,6 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             self._run.engine = None  # set up but never wrapped: nothing to tear down
         self._run.end(keep_state=False)
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(cls, strategy_registry)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
