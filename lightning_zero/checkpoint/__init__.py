@@ -10,10 +10,10 @@ shard (a Gather), rank 0 copies the parameters' slices to CPU memory; the other 
 more than their shards. The file loads with ``LightningModule.load_from_checkpoint`` as it is.
 
 ``state_dict_type="sharded"``: a directory in the ``torch.distributed.checkpoint`` (DCP) format,
-see [Note: sharded layout]. Every rank writes only the slices of parameters and optimizer state
-that lie in its shards, in parallel; rank 0 adds ``meta.pt`` with everything else Lightning saves
-(loops, LR schedulers, callbacks, hyper-parameters) and the layout. ``lightning-zero consolidate``
-turns it into a full file without a process group.
+see [Note: sharded layout] in ``layout.py``. Every rank writes only the slices of parameters and
+optimizer state that lie in its shards, in parallel; rank 0 adds ``meta.pt`` with everything else
+Lightning saves (loops, LR schedulers, callbacks, hyper-parameters) and the layout.
+``lightning-zero consolidate`` turns it into a full file without a process group.
 
 The package, a room for each step: a read (``reader.py``, [Note: one-way read]) goes
 ``locate.py`` (the path, its previous sibling, the fallbacks, the files a form needs) ->

@@ -23,12 +23,13 @@ The Trainer's strategy writes the Trainer's layout: ``state_dict``, ``optimizer_
 Fabric's DDP writes: the user's own keys (``{"model": <the model's state dict>, "optimizer":
 <optimizer.state_dict() of one process>, "iter_num": 3}``), plus :data:`FABRIC_RECORD`, which names
 the keys of the model, the optimizers and the LR schedulers (``"layout": "user keys"``) and the
-Lightning version. Every reader of this package takes the Trainer's layout: :func:`in_trainer_layout` maps
-a file of the user's keys onto it (:func:`as_trainer_layout`, checksum paths included), so the Trainer
-resumes a Fabric file and Fabric loads either. Fabric files written before this layout hold the
-Trainer's layout with the record (without ``"layout"``) and read as they are. A file of user keys
-without the record (Fabric's DDP wrote it) is a :class:`UserKeyedCheckpoint` that carries its
-entries: Fabric's strategy reads it with the keys of the state it is asked to load.
+Lightning version. Every reader of this package takes the Trainer's layout:
+:func:`in_trainer_layout` maps a file of the user's keys onto it (:func:`as_trainer_layout`,
+checksum paths included), so the Trainer resumes a Fabric file and Fabric loads either. Fabric
+files written before this layout hold the Trainer's layout with the record (without
+``"layout"``) and read as they are. A file of user keys without the record (Fabric's DDP wrote
+it) is a :class:`UserKeyedCheckpoint` that carries its entries: Fabric's strategy reads it with
+the keys of the state it is asked to load.
 """
 
 from __future__ import annotations
