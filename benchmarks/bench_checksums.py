@@ -24,7 +24,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from lightning_zero import checkpoint as C
-from lightning_zero.checkpoint import full, sharded
+from lightning_zero.checkpoint import writer
 from lightning_zero.comm import Communicator
 
 IO = TorchCheckpointIO()
@@ -52,13 +52,13 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 def without_checksums() -> Callable[[], None]:
     """Switch the save-side checksums off; returns what switches them back on."""
-    saved = (full.add_full_checksums, sharded.shard_checksums, sharded.sharded_record)
-    full.add_full_checksums = lambda checkpoint: None
-    sharded.shard_checksums = lambda directory, metadata, files: {}
-    sharded.sharded_record = lambda directory, chunks: None
+    saved = (writer.add_full_checksums, writer.shard_checksums, writer.sharded_record)
+    writer.add_full_checksums = lambda checkpoint: None
+    writer.shard_checksums = lambda directory, metadata, files: {}
+    writer.sharded_record = lambda directory, chunks: None
 
     def restore() -> None:
-        full.add_full_checksums, sharded.shard_checksums, sharded.sharded_record = saved
+        writer.add_full_checksums, writer.shard_checksums, writer.sharded_record = saved
 
     return restore
 

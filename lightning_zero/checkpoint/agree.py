@@ -83,3 +83,21 @@ def _describe(error: BaseException | None) -> str | None:
 
 def _ranks(ranks: Any) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+Share = Callable[[int, int], None]  # (rank, world size) -> None; raises what that rank's share finds
+
+
+def _shared_verdict(comm: Communicator | None, share: Share | None, path: Any) -> None:
+    """``share(rank, world_size)`` on every rank (each checks its part; None: nothing to check), then
+    one verdict for all (a control collective): the first damage found is raised on every rank."""
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    _, error = attempt(lambda: share(rank, world) if share is not None else None, where=path)
+    mine = _describe(error)
+    errors = comm.all_gather_object(mine, name="checkpoint/verify") if comm is not None else [mine]
+    found = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if found is None:
+        return
+    if error is not None:
+        raise error
+    raise CheckpointError(f"{found[1].split(': ', 1)[1]} (found by rank {found[0]})")

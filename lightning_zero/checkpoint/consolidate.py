@@ -1,5 +1,6 @@
 """``lightning-zero consolidate``: a sharded checkpoint into one plain Lightning checkpoint file, in one
-process without a process group."""
+process without a process group: the reader's steps for the whole model and every optimizer
+(``reader.py``, ``load.py``), then the full form's checksums and a file published under its name."""
 
 from __future__ import annotations
 
@@ -7,19 +8,23 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_zero.checkpoint.files import _fsync_dir, _sibling, _write_synced, resolve
+from lightning_zero.checkpoint.checksum import add_full_checksums, files_of
 from lightning_zero.checkpoint.format import (
     LAYOUT_KEY,
     MODEL_PREFIX,
     WEIGHTS_ONLY_DROPS,
     CheckpointError,
-    _destination,
     _hyper,
     _unbox,
 )
-from lightning_zero.checkpoint.integrity import add_full_checksums, files_of, verify_sharded
-from lightning_zero.checkpoint.sharded import ShardedModelState, _load_items, inspect_sharded
-from lightning_zero.checkpoint.sharded_load import _read_named_state, _state_index
+from lightning_zero.checkpoint.layout import ShardedModelState, _destination
+from lightning_zero.checkpoint.load import _read_named_state, _state_index
+from lightning_zero.checkpoint.locate import _sibling, resolve
+from lightning_zero.checkpoint.publish import _fsync_dir
+from lightning_zero.checkpoint.reader import inspect_sharded
+from lightning_zero.checkpoint.unpickle import _load_items
+from lightning_zero.checkpoint.verify import verify_sharded
+from lightning_zero.checkpoint.writer import _write_synced
 from lightning_zero.comm import Communicator
 
 # --------------------------------------------------------------------------- consolidation

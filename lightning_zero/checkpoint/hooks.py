@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint.sharded import sharded_model_state
+from lightning_zero.checkpoint.states import sharded_model_state
 from lightning_zero.streamed import Streamed
 
 

@@ -1,18 +1,64 @@
-"""Who holds what: parameter names (tied ones), the parts of flat spaces in this rank's shard, the
-layout meta.pt records, and the checks of keys and shapes a load makes."""
+"""Laying a checkpoint out (the reader's last step, and the writer's first): who holds what
+(parameter names, tied ones; the parts of flat spaces in this rank's shard), the layout ``meta.pt``
+records, where a saved entry is read into and the checks of keys and shapes a load makes; the
+stand-ins a sharded read hands out; the Trainer's keys a full file is read into.
+
+[Note: sharded layout]
+Every original parameter is saved as one *logical 1D tensor* of its ``numel`` elements (its
+row-major flattening), under ``model.<name>``; every per-element optimizer state as another,
+under ``optim.<i>.<name>.<state>`` (``i``: the optimizer's index, ``name``: the parameter's,
+``state``: e.g. ``exp_avg``). A flat space's shard [r*S, (r+1)*S) covers a contiguous range of
+each parameter's flattening, so what rank r holds of a parameter is one chunk [a, b) of that 1D
+tensor: a :class:`Piece`, which DCP stores as one chunk with its offset. Padding is never saved.
+Step counters (0-dim tensors) are saved once per parameter (DCP writes a value that several ranks
+hold once), other objects as pickled bytes; buffers and parameters kept whole (stage 0, frozen
+ones) as ordinary tensors, which DCP spreads over the ranks. The file therefore describes the
+model, not the layout that wrote it: a reader asks DCP for the chunks of its own layout (another
+world size, stage, bucket plan or wrap policy) and DCP reads the overlapping parts of the saved
+chunks. Tied parameters are saved once, under their first name (``meta.pt`` lists the aliases).
+
+[Note: two layouts of the full file]
+The Trainer's strategy writes the Trainer's layout: ``state_dict``, ``optimizer_states`` (a list),
+``lr_schedulers``, ``pytorch-lightning_version``, loops, callbacks. Fabric's strategy writes what
+Fabric's DDP writes: the user's own keys (``{"model": <the model's state dict>, "optimizer":
+<optimizer.state_dict() of one process>, "iter_num": 3}``), plus :data:`FABRIC_RECORD`, which names
+the keys of the model, the optimizers and the LR schedulers (``"layout": "user keys"``) and the
+Lightning version. Every reader of this package takes the Trainer's layout:
+:func:`in_trainer_layout` maps a file of the user's keys onto it (:func:`as_trainer_layout`,
+checksum paths included), so the Trainer resumes a Fabric file and Fabric loads either. Fabric
+files written before this layout hold the Trainer's layout with the record (without
+``"layout"``) and read as they are. A file of user keys without the record (Fabric's DDP wrote
+it) is a :class:`UserKeyedCheckpoint` that carries its entries: Fabric's strategy reads it with
+the keys of the state it is asked to load.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.format import FORMAT, FORMAT_VERSION, CheckpointError, Piece, _hyper
+from lightning_zero.checkpoint.format import (
+    FABRIC_RECORD,
+    FORMAT,
+    FORMAT_VERSION,
+    INTEGRITY_KEY,
+    LAYOUT_KEY,
+    META_FILE,
+    MODEL_PREFIX,
+    USER_KEYS,
+    CheckpointError,
+    Piece,
+    _hyper,
+)
 from lightning_zero.zero.flat_param import FlatParameter
 
-# --------------------------------------------------------------------------- names and layout
+# --------------------------------------------------------------------------- names and slots
 
 
 class _Names(NamedTuple):
@@ -112,6 +158,9 @@ def _named_groups(optimizer: Optimizer, groups: list, names: dict[int, str]) -> 
     ]
 
 
+# --------------------------------------------------------------------------- checks and destinations
+
+
 def _check_keys(module: nn.Module, given: set[str], strict: bool, source: Any) -> None:
     expected = set(module.state_dict(keep_vars=True))
     missing, unexpected = sorted(expected - given), sorted(given - expected)
@@ -128,3 +177,157 @@ def _check_shape(key: str, saved: Any, here: Any, source: Any) -> None:
         raise CheckpointError(
             f"{source}: {key} has shape {tuple(saved)} in the checkpoint, {tuple(here)} here"
         )
+
+
+def _destination(md: Any, *, dtype: torch.dtype | None = None, device: Any = "cpu") -> Tensor | None:
+    """An empty tensor to read a saved tensor into (``None`` for a pickled object)."""
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    return torch.empty(md.size, dtype=dtype or md.properties.dtype, device=device)
+
+
+# --------------------------------------------------------------------------- a sharded read's stand-ins
+
+
+def _saved_layout(meta: Any, path: Path) -> Mapping[str, Any]:
+    """``meta.pt``'s layout entry (``meta``: what it holds), written by this package in a version it
+    reads; otherwise a CheckpointError saying what ``path`` is not."""
+    layout = meta.get(LAYOUT_KEY) if isinstance(meta, Mapping) else None
+    if not isinstance(layout, Mapping) or layout.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path / META_FILE} has no {LAYOUT_KEY!r} layout entry: {path} was not written by "
+            "ZeroStrategy(state_dict_type='sharded') (another strategy's checkpoint?)"
+        )
+    if layout.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has layout version {layout['version']}; this lightning_zero reads up to {FORMAT_VERSION}"
+        )
+    return layout
+
+
+class ShardedModelState:
+    """Stands in ``checkpoint["state_dict"]`` for a sharded checkpoint until the strategy reads
+    this rank's part of it (:func:`~lightning_zero.checkpoint.load.load_model_state`)."""
+
+    def __init__(
+        self, path: Path, layout: dict[str, Any], metadata: Metadata, *, trusted: bool = False
+    ) -> None:
+        self.path = path  # the checkpoint directory
+        self.layout = layout  # meta.pt's layout entry
+        self.metadata = metadata  # DCP's metadata: every saved key, its size and chunks
+        self.trusted = trusted  # loaded with weights_only=False: the shards' objects unpickled as saved
+
+    def keys(self) -> set[str]:
+        """The model's state-dict keys the checkpoint holds, tied parameters' other names too."""
+        saved = {
+            k[len(MODEL_PREFIX) :] for k in self.metadata.state_dict_metadata if k.startswith(MODEL_PREFIX)
+        }
+        return saved | set(self.layout["aliases"])
+
+    def __repr__(self) -> str:
+        return f"ShardedModelState({str(self.path)!r})"
+
+
+class ShardedOptimizerState(ShardedModelState):
+    """Stands in ``checkpoint["optimizer_states"][index]`` for a sharded checkpoint."""
+
+    def __init__(
+        self, path: Path, layout: dict[str, Any], metadata: Metadata, index: int, *, trusted: bool = False
+    ) -> None:
+        super().__init__(path, layout, metadata, trusted=trusted)
+        self.index = index  # which optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.layout["optimizers"][self.index]
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizerState({str(self.path)!r}, optimizer={self.index})"
+
+
+def with_stand_ins(meta: dict[str, Any], path: Path, metadata: Metadata, *, trusted: bool) -> dict[str, Any]:
+    """``meta.pt``'s entries (``meta``) without its layout entry, and in the model's and the optimizers'
+    places their stand-ins, which each rank reads later, its own part (``load.py``)."""
+    layout = meta.pop(LAYOUT_KEY)
+    meta["state_dict"] = ShardedModelState(path, layout, metadata, trusted=trusted)
+    if layout["optimizers"] is not None:
+        meta["optimizer_states"] = [
+            ShardedOptimizerState(path, layout, metadata, i, trusted=trusted)
+            for i in range(len(layout["optimizers"]))
+        ]
+    return meta
+
+
+# --------------------------------------------------------------------------- the Trainer's keys
+
+
+def in_trainer_layout(checkpoint: Any, path: Any) -> dict[str, Any]:
+    """What the full file ``path`` holds (``checkpoint``), in the Trainer's layout (see [Note: two
+    layouts of the full file]); anything that is not a Lightning checkpoint is a CheckpointError
+    saying what it holds: a :class:`UserKeyedCheckpoint` with its entries when it is a dict."""
+    if isinstance(checkpoint, Mapping):
+        checkpoint = as_trainer_layout(checkpoint)
+    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+        found = (
+            sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+        )
+        message = (
+            f"{path} is not a Lightning checkpoint: it has no 'state_dict' entry (found: {found}). A bare "
+            "model state dict loads with module.load_state_dict(torch.load(...)), not through the Trainer"
+        )
+        if isinstance(checkpoint, Mapping):
+            raise UserKeyedCheckpoint(message, checkpoint)
+        raise CheckpointError(message)
+    return checkpoint
+
+
+class UserKeyedCheckpoint(CheckpointError):
+    """A full file of entries under a program's own keys with no record of which is which (what
+    Fabric's DDP writes): only a caller that knows the keys can read it (``entries``, as loaded)."""
+
+    def __init__(self, message: str, entries: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.entries = entries  # the file's dict, as torch.load returned it
+
+
+def as_trainer_layout(
+    checkpoint: Mapping[str, Any], record: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A file of the user's keys in the Trainer's layout (see [Note: two layouts of the full file]),
+    by its own record or by ``record`` (the keys a caller knows); any other checkpoint as it is. An
+    entry the record names but the file lacks stays missing (the reader's checks name it)."""
+    record = record if record is not None else checkpoint.get(FABRIC_RECORD)
+    if not isinstance(record, Mapping) or record.get("layout") != USER_KEYS:
+        return dict(checkpoint)
+    moves = {record["model"]: "state_dict"} if record["model"] in checkpoint else {}
+    optimizers = [k for k in record["optimizers"] if k in checkpoint]
+    schedulers = [k for k in record["lr_schedulers"] if k in checkpoint]
+    moves |= {key: f"optimizer_states/{i}" for i, key in enumerate(optimizers)}
+    moves |= {key: f"lr_schedulers/{j}" for j, key in enumerate(schedulers)}
+    out = {k: v for k, v in checkpoint.items() if k not in moves}
+    if record["model"] in checkpoint:
+        out["state_dict"] = checkpoint[record["model"]]
+    if optimizers:
+        out["optimizer_states"] = [checkpoint[k] for k in optimizers]
+    out["lr_schedulers"] = [checkpoint[k] for k in schedulers]
+    out.setdefault("pytorch-lightning_version", record["lightning"])
+    if isinstance(out.get(INTEGRITY_KEY), Mapping):
+        out[INTEGRITY_KEY] = _moved_checksums(out[INTEGRITY_KEY], moves)
+    return out
+
+
+def _moved_checksums(integrity: Mapping[str, Any], moves: Mapping[str, str]) -> dict[str, Any]:
+    """The checksum record with its tensor paths (``model/w``) where :func:`as_trainer_layout` put
+    their tensors (``state_dict/w``)."""
+
+    def moved(path: str) -> str:
+        for key, place in moves.items():
+            if path == key or path.startswith(f"{key}/"):
+                return place + path[len(key) :]
+        return path
+
+    return {
+        **integrity,
+        "tensors": {moved(p): crc for p, crc in integrity.get("tensors", {}).items()},
+        "records": [moved(p) for p in integrity.get("records", [])],
+    }

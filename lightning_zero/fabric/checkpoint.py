@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero import checkpoint as checkpoints
-from lightning_zero.checkpoint.full import UserKeyedCheckpoint, as_trainer_layout
+from lightning_zero.checkpoint.layout import UserKeyedCheckpoint, as_trainer_layout
 from lightning_zero.checkpoint.states import model_state, optimizer_state
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import Engine
@@ -107,7 +107,7 @@ def load_raw(
 ) -> None:
     """``fabric.load_raw``: a bare state dict (a module's, or an optimizer's single-process one).
     Weights only unless ``weights_only=False`` says the caller trusts the file: Lightning would read
-    ``None`` as ``False`` for a remote path ([Note: what loading runs] in checkpoint/format.py)."""
+    ``None`` as ``False`` for a remote path ([Note: what loading runs] in checkpoint/unpickle.py)."""
     path = strategy._run.shared_path(path, strategy.root_device)
     raw = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only is not False)
     if isinstance(obj, Optimizer):

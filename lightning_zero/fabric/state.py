@@ -14,7 +14,7 @@ the model's plain state dict and ``["optimizer"]`` the plain optimizer's ``state
 is added, ``lightning_zero_fabric``: the user's key of each role, ``{"model": "model",
 "optimizers": ["optimizer"], "lr_schedulers": ["scheduler"], "layout": "user keys", "lightning":
 <version>}``, from which the checkpoint package reads the file in the Trainer's layout (see [Note:
-two layouts of the full file] in checkpoint/full.py): a Trainer resumes it. The sharded form is
+two layouts of the full file] in checkpoint/layout.py): a Trainer resumes it. The sharded form is
 written in the Trainer's layout (``state_dict``, ``optimizer_states`` numbered in set-up order,
 ``lr_schedulers`` in ``state`` order, ``pytorch-lightning_version``) with the same record, without
 ``"layout"``.
@@ -38,8 +38,7 @@ from typing import Any, NamedTuple
 import lightning
 from torch.optim.lr_scheduler import LRScheduler
 
-from lightning_zero.checkpoint.full import FABRIC_RECORD, USER_KEYS
-from lightning_zero.checkpoint.integrity import INTEGRITY_KEY
+from lightning_zero.checkpoint.format import FABRIC_RECORD, INTEGRITY_KEY, USER_KEYS
 
 MODEL = "state_dict"  # the Trainer's key of the model state
 OPTIMIZERS = "optimizer_states"  # ... of the optimizers' states, a list

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_zero.checkpoint.full import on_host
+from lightning_zero.checkpoint.writer import on_host
 
 
 def _entry(

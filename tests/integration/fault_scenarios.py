@@ -87,7 +87,7 @@ class Act(Callback):
 def signal_during_full_saves(rank: int, signum: int, times: int) -> None:
     """Rank ``rank`` sends itself ``signum`` ``times`` times while writing its first full checkpoint
     (written whole at stage 0, streamed while gathered at stages 1-3)."""
-    from lightning_zero.checkpoint import full
+    from lightning_zero.checkpoint import writer
 
     calls = []
 
@@ -102,8 +102,8 @@ def signal_during_full_saves(rank: int, signum: int, times: int) -> None:
 
         return write
 
-    full._write_synced = signalling(full._write_synced)
-    full.write_streamed = signalling(full.write_streamed)
+    writer._write_synced = signalling(writer._write_synced)
+    writer.write_streamed = signalling(writer.write_streamed)
 
 
 class Final(Callback):

@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 import lightning_zero.checkpoint as C
-from lightning_zero.checkpoint import full as full_module
+from lightning_zero.checkpoint import reader, unpickle
 from lightning_zero.comm import Communicator
 from tests.distributed import models
 from tests.distributed.fault_harness import run_ranks
@@ -53,7 +53,7 @@ def _save_full_twice(comm: Communicator, path: Path) -> torch.Tensor:
 
 def _fail_on(rank: int, target: str, error: BaseException):
     """A reader that raises ``error`` on ``rank`` for the checkpoint named ``target`` only."""
-    original = full_module._load
+    original = unpickle._load
 
     def load(path, checkpoint_io, weights_only):
         if Path(str(path)).name == target:
@@ -68,7 +68,7 @@ def _io_error_on_one_rank(rank: int, world_size: int, out: str) -> dict:
     path = Path(out) / "ckpt" / "last.ckpt"
     _save_full_twice(comm, path)
     if rank == 1:
-        full_module._load = _fail_on(1, "last.ckpt", OSError(errno.EIO, "Input/output error"))
+        unpickle._load = _fail_on(1, "last.ckpt", OSError(errno.EIO, "Input/output error"))
     loaded = C.read_or_fallback(path, IO, comm=comm)
     return {
         "step": loaded["global_step"],
@@ -98,7 +98,7 @@ def _bad_zip_on_one_rank(rank: int, world_size: int, out: str) -> str:
         def bad(p, *, only_pickle):  # raised outside any CheckpointError handler, as zipfile does
             raise zipfile.BadZipFile("Bad CRC-32 for file 'epoch=3/data.pkl'")
 
-        C.verify_zip_records = bad  # the name read() calls
+        reader.verify_zip_records = bad  # the name read() calls
     try:
         C.read_or_fallback(path, IO, comm=comm)
     except C.CheckpointError as err:
@@ -129,7 +129,7 @@ def _missing_shards_on_one_rank(rank: int, world_size: int, out: str) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    original = C.inspect_sharded
+    original = reader.inspect_sharded
     if rank == 1:  # as if this node's copy of last.ckpt had lost a file
 
         def inspect(p, *, trusted=False, verify=True):
@@ -137,7 +137,7 @@ def _missing_shards_on_one_rank(rank: int, world_size: int, out: str) -> dict:
                 raise FileNotFoundError(f"{p / '__1_0.distcp'} is missing on this node")
             return original(p, trusted=trusted, verify=verify)
 
-        C.inspect_sharded = inspect
+        reader.inspect_sharded = inspect
     loaded = C.read_or_fallback(path, IO, comm=comm)
     fresh = models.build(seed=2)
     C.load_model_state(fresh, None, comm, loaded["state_dict"])  # DCP: a collective of every rank

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.checkpoint.dcp_metadata import read_dcp_metadata
+from lightning_zero.checkpoint.unpickle import read_dcp_metadata
 from tests.integration.test_checkpoint_resume import fit
 from tests.unit.test_checkpoint_security import REFUSED, Payload
 

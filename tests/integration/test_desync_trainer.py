@@ -155,7 +155,7 @@ class Misbehave(Callback):
 
 def slow_saves_on(rank: int, seconds: float) -> None:
     """Rank ``rank`` takes ``seconds`` longer to write every full checkpoint."""
-    from lightning_zero.checkpoint import full
+    from lightning_zero.checkpoint import writer
 
     def slowed(original):
         def write(*args, **kwargs):
@@ -166,8 +166,8 @@ def slow_saves_on(rank: int, seconds: float) -> None:
 
         return write
 
-    full._write_synced = slowed(full._write_synced)
-    full.write_streamed = slowed(full.write_streamed)
+    writer._write_synced = slowed(writer._write_synced)
+    writer.write_streamed = slowed(writer.write_streamed)
 
 
 def main(out: Path, options: dict[str, Any]) -> None:

@@ -212,7 +212,7 @@ def test_full_checkpoints_hold_host_tensors():
     host before writing, host tensors kept as they are (tests/gpu checks a CUDA model's file)."""
     from collections import OrderedDict
 
-    from lightning_zero.checkpoint.full import on_host
+    from lightning_zero.checkpoint.writer import on_host
 
     state = {"state_dict": OrderedDict(w=torch.ones(2)), "opt": [{"m": torch.zeros(3)}], "step": 3}
     moved = on_host(state)

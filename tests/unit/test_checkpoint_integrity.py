@@ -147,7 +147,7 @@ def test_leftovers_of_interrupted_saves_are_removed_by_the_next_save(tmp_path):
 def test_a_flipped_byte_in_a_record_written_while_gathered_names_its_tensor(tmp_path):
     """Tensors streamed into a full file are checked by their zip records' CRC32 (split over the
     ranks: each checks every N-th record); the error names the tensor by its path."""
-    from lightning_zero.checkpoint.integrity import verify_records
+    from lightning_zero.checkpoint.verify import verify_records
 
     path = tmp_path / "full.ckpt"
     torch.save({"state_dict": {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8)}}, path)

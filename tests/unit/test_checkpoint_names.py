@@ -24,7 +24,9 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero import checkpoint as C
-from lightning_zero.checkpoint.integrity import INTEGRITY_KEY, add_full_checksums, verify_records
+from lightning_zero.checkpoint.checksum import add_full_checksums
+from lightning_zero.checkpoint.format import INTEGRITY_KEY
+from lightning_zero.checkpoint.verify import verify_records
 from lightning_zero.comm import Communicator
 from tests.integration.test_checkpoint_resume import LitResume
 from tests.unit.test_checkpoint_integrity import _flip, _record_data_offset, _save_full
@@ -208,7 +210,7 @@ def test_a_damaged_last_falls_back_to_the_newest_intact_checkpoint_not_to_its_ol
     first whatever its age, and an intact newer checkpoint in the folder was passed over."""
     import os
 
-    from lightning_zero.checkpoint.files import fallbacks
+    from lightning_zero.checkpoint.locate import fallbacks
 
     io = TorchCheckpointIO()
     steps = {".last.ckpt.previous": 8, "epoch=0-step=4.ckpt": 4, "epoch=2-step=12.ckpt": 12, "last.ckpt": 14}

@@ -24,8 +24,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_zero import checkpoint as C
-from lightning_zero.checkpoint import integrity
-from lightning_zero.checkpoint.dcp_metadata import read_dcp_metadata
+from lightning_zero.checkpoint import checksum, verify
+from lightning_zero.checkpoint.unpickle import read_dcp_metadata
 from lightning_zero.cli import main
 from lightning_zero.comm import Communicator
 from tests.unit.test_checkpoint import _save_sharded, _trained
@@ -184,7 +184,7 @@ def test_naming_a_damaged_record_reads_the_pickle_without_running_it(tmp_path):
             for i in archive.infolist()
             if "/data/" in i.filename and not i.filename.endswith(".pkl")
         )
-        assert integrity._tensor_of(archive, record) == "state_dict/net.weight"
+        assert verify._tensor_of(archive, record) == "state_dict/net.weight"
     assert not marker.exists()
 
 
@@ -293,7 +293,7 @@ def test_an_object_planted_in_a_tensor_record_with_its_checksum_rewritten_is_ref
         f.write(record)
     meta = torch.load(path / "meta.pt", weights_only=False)  # our own file, written above
     chunks = meta["lightning_zero"]["checksums"]["chunks"]
-    chunks[integrity.chunk_key(info.relative_path, info.offset, info.length)] = zlib.crc32(record)
+    chunks[checksum.chunk_key(info.relative_path, info.offset, info.length)] = zlib.crc32(record)
     torch.save(meta, path / "meta.pt")
     fresh, fresh_opt = _trained(seed=11)
     state = C.read(path, IO)["optimizer_states"][0]

@@ -1,40 +1,77 @@
-"""Loading a sharded checkpoint into the model and optimizers as set up now: each rank reads the
-chunks its own layout needs (see [Note: sharded layout] in ``sharded.py``)."""
+"""Loading a checkpoint's model and optimizer states into the model and optimizers as set up now,
+any stage and world size (the later per-rank reads): full tensors, each slot taking its part; or a
+sharded read's stand-ins, each rank reading only the chunks its own layout needs (see [Note:
+sharded layout] in ``layout.py``), lay out -> unpickle (``unpickle.py``)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.format import (
     MODEL_PREFIX,
     CheckpointError,
     Piece,
-    _destination,
     _hyper,
     _is_per_element,
     _optimizer_prefix,
     _unbox,
 )
 from lightning_zero.checkpoint.layout import (
+    ShardedModelState,
+    ShardedOptimizerState,
     _check_keys,
     _check_shape,
+    _destination,
     _group_params,
     _names,
     _slots,
 )
-from lightning_zero.checkpoint.sharded import ShardedModelState, ShardedOptimizerState, _load_items
+from lightning_zero.checkpoint.unpickle import _load_items
 from lightning_zero.comm import Communicator
 from lightning_zero.zero.dtensor import like_param
 from lightning_zero.zero.flat_param import original_indices
+
+
+def load_model_state(
+    module: nn.Module, engine: Any, comm: Communicator, state: Any, *, strict: bool = True
+) -> None:
+    """Load a checkpoint's model state (a full state dict or a :class:`ShardedModelState`) into
+    ``module`` as set up now (any stage, any world size); every rank calls it."""
+    if isinstance(state, ShardedModelState):
+        _load_sharded_model(module, engine, comm, state, strict)
+    else:
+        _load_full_model(module, engine, state, strict)
+    if engine is not None:
+        engine.values_loaded()
+
+
+def _load_full_model(module: nn.Module, engine: Any, state: Mapping[str, Any], strict: bool) -> None:
+    """From full tensors: each slot takes its part; the rest goes through ``load_state_dict``."""
+    _check_keys(module, set(state), strict, source="(a full state dict)")
+    names = _names(module)
+    slots = _slots(module, engine)
+    rest = {}
+    with torch.no_grad():
+        for key, value in state.items():
+            first = names.aliases.get(key, key)
+            slot = slots.get(first)
+            if slot is None:
+                rest[key] = value
+            elif key == first:  # a tied parameter's other names are written through its first
+                _check_shape(key, value.shape, slot.shape, "the checkpoint")
+                if slot.piece is not None:
+                    part = value.reshape(-1)[slot.piece.offset : slot.piece.offset + slot.piece.local.numel()]
+                    slot.piece.local.copy_(part)
+                if slot.whole is not None:
+                    slot.whole.copy_(value.reshape(slot.whole.shape))
+    module.load_state_dict(rest, strict=False)
 
 
 def _load_sharded_model(
@@ -71,7 +108,7 @@ def _load_sharded_model(
     module.load_state_dict(values, strict=False)
 
 
-# --------------------------------------------------------------------------- loading optimizers
+# --------------------------------------------------------------------------- optimizers
 
 
 def load_sharded_optimizer(
