@@ -354,8 +354,13 @@ def test_long_steps_saves_and_validation_are_never_a_desync(tmp_path):
         assert "out of step (a desync)" not in run.output and "CollectivesStopped" not in run.output
     rank0, rank1 = (run.output for run in runs)
     slow = "some ranks are not in a collective: they are slow, or blocked elsewhere"
-    # the slow step: rank 0 waits in the next batch's agreement while rank 1 computes
-    assert re.search(rf"{slow}:\n  rank 0 \({HOST}\) waits in agree #\d+ zero3/agree/batch", rank0)
+    # the slow step (rank 1 sleeps at the batch's start, after both agreed the last batch): rank 0
+    # waits in the first collective of the step, its first unit's all-gather, while rank 1 computes
+    assert re.search(
+        rf"{slow}:\n  rank 0 \({HOST}\) waits in all_gather #\d+ zero3/all_gather/unit=\w+ .*\n"
+        rf"  rank 1 \({HOST}\) is not in a collective: its last was agree #\d+ zero3/agree/batch",
+        rank0,
+    )
     assert "rank 1 computes slowly at step 1" in rank1
     # the long save: rank 1 waits in the gather of the checkpoint while rank 0 writes
     assert "rank 0 saves slowly" in rank0
