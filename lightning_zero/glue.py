@@ -8,6 +8,7 @@ says only where its framework keeps the model and the optimizers (``_user_model`
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -25,7 +26,7 @@ from lightning_zero.precision import training_precision
 from lightning_zero.runtime import ZeroRun, config_of, register_names
 
 
-class RunGlue:
+class RunGlue(ABC):
     """The half of a strategy class that is the same under the Trainer and under Fabric."""
 
     _run: ZeroRun  # the run: config, communicator, ledger, watchdog, engine (runtime.py)
@@ -37,9 +38,9 @@ class RunGlue:
     def _start_run(self, stage: int, config: ZeroConfig | None, options: dict[str, Any]) -> None:
         self._run = ZeroRun(config_of(stage, config, options))
 
+    @abstractmethod
     def _user_model(self) -> nn.Module:
         """The user's model as set up (the LightningModule; Fabric's module)."""
-        raise NotImplementedError
 
     @property
     def config(self) -> ZeroConfig:

@@ -143,7 +143,7 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
         _optimizers_to_device([optimizer], self.root_device)
         return optimizer
 
-    def _begin(self, module: nn.Module) -> Engine:
+    def _begin(self, module: nn.Module) -> None:
         """The engine for ``module`` and the precision plugin to train with (nothing wrapped yet)."""
         if self._module is not None:
             raise RuntimeError(
@@ -152,7 +152,6 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
             )
         self.precision = self._new_engine(module, self.precision)
         self._module = module
-        return self._run.engine
 
     def _wrap(self) -> None:
         """Rank 0's parameters everywhere, then the engine's wrapper with the optimizers it shards."""
