@@ -23,7 +23,12 @@ from lightning.pytorch import Trainer
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
-from tests.distributed.harness import leave_after_expected_failures
+from tests.distributed.harness import (
+    Inherited,
+    exit_as_a_program,
+    leave_after_expected_failures,
+    start_method,
+)
 from tests.matrix.lit import BATCH, WORLD, Case, MatrixModule
 
 BLOCK = "tests.matrix.lit.Block"
@@ -95,7 +100,7 @@ def _saved_optimizer(trainer: Trainer, root: str) -> dict | None:
 
 
 def _entry(
-    rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], out_dir: str, nodes: int = 1
+    rank: int, world: int, store: str, jobs: list[Callable[[str], Any]], out_dir: str, nodes: int, _: None
 ) -> None:
     faulthandler.enable(all_threads=True)  # a rank killed by a signal (a C++ abort) shows its stacks
     torch.set_num_threads(1)
@@ -116,6 +121,7 @@ def _entry(
         results.append(job(root))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave_after_expected_failures()
+    exit_as_a_program()
 
 
 def run_jobs(
@@ -127,7 +133,11 @@ def run_jobs(
     os.makedirs(out_dir, exist_ok=True)
     store = tempfile.mktemp(prefix="store-", dir=out_dir)
     context = mp.start_processes(
-        _entry, args=(world, store, jobs, out_dir, nodes), nprocs=world, join=False, start_method="spawn"
+        _entry,
+        args=(world, store, jobs, out_dir, nodes, Inherited()),
+        nprocs=world,
+        join=False,
+        start_method=start_method(),
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=5):
