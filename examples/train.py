@@ -14,6 +14,7 @@ check), at every validation and at the end.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -72,6 +73,23 @@ class ValidateAtLastStep(L.Callback):
             trainer.should_stop = True
 
 
+class ThreadsAfterFork(L.Callback):
+    """Each forked rank computes with the threads Lightning gives it (see [Note: OpenMP and fork]).
+
+    [Note: OpenMP and fork]
+    GNU OpenMP does not survive a fork: a process forked from one whose OpenMP threads exist finds
+    their bookkeeping but not the threads, and its first parallel region waits for them forever.
+    Under a multirun the sweep's process forks a job's ranks and then, between jobs, computes
+    (the returned weights loaded, the sample drawn): with more than one thread that starts its
+    OpenMP threads, and the next job's ranks hang. So when ranks are forked, the launching process
+    computes with one thread, and each rank takes, once forked, the count Lightning chose for it
+    (``OMP_NUM_THREADS``: the cores per rank unless the user set it).
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
 def launch_kwargs(trainer_cfg: dict) -> dict:
     """Pop the strategy's launch arguments (``trainer.strategy``) out of the Trainer arguments.
 
@@ -109,13 +127,17 @@ def sample_text(model: GPTLightning, data: CharDataModule, num_chars: int, seed:
 
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    launch = launch_kwargs(trainer_cfg)
+    forked = launch.get("start_method") == "fork"
+    if forked:
+        torch.set_num_threads(1)  # before any computation here: see [Note: OpenMP and fork]
     L.seed_everything(cfg.seed, workers=True)
     data = CharDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model = GPTLightning(vocab_size=data.vocab_size, **OmegaConf.to_container(cfg.model, resolve=True))
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     zero_cfg = OmegaConf.to_container(cfg.strategy)  # ZeroConfig fields, checked by the schema
-    strategy = lightning_zero.ZeroStrategy(**zero_cfg, **launch_kwargs(trainer_cfg))
-    callbacks = [ValLossReport(), ValidateAtLastStep()]
+    strategy = lightning_zero.ZeroStrategy(**zero_cfg, **launch)
+    callbacks = [ValLossReport(), ValidateAtLastStep()] + ([ThreadsAfterFork()] if forked else [])
     if cfg.monitor:  # traffic, exposed communication, memory and step times per step (docs/monitoring.md)
         callbacks.append(ZeroMonitor())
     if (
