@@ -260,13 +260,16 @@ class ZeroConfig:
         _check_seconds("fault_wait_s", self.fault_wait_s)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> ZeroConfig:
-        """Build a config, refusing unknown names with the list of known ones."""
+    def from_kwargs(cls, others: tuple[str, ...] = (), /, **kwargs: Any) -> ZeroConfig:
+        """Build a config, refusing unknown names with the list of known ones (and of ``others``,
+        the names the caller takes itself)."""
         known = set(option_names())
         unknown = sorted(set(kwargs) - known)
         if unknown:
+            also = f"; and the strategy's own: {', '.join(others)}" if others else ""
             raise TypeError(
                 f"unknown ZeroConfig option(s): {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
+                + also
             )
         return cls(**kwargs)
 

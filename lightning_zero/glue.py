@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -25,6 +25,16 @@ from lightning_zero.memory import MemoryReport
 from lightning_zero.precision import training_precision
 from lightning_zero.runtime import ZeroRun, config_of, register_names
 
+# the arguments both frameworks' DDPStrategy take that a glue passes on (each adds its precision's)
+DDP_ARGS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "process_group_backend",
+    "timeout",
+)
+
 
 class RunGlue(ABC):
     """The half of a strategy class that is the same under the Trainer and under Fabric."""
@@ -35,8 +45,21 @@ class RunGlue(ABC):
     num_nodes: int
     optimizers: list[Optimizer]
 
-    def _start_run(self, stage: int, config: ZeroConfig | None, options: dict[str, Any]) -> None:
-        self._run = ZeroRun(config_of(stage, config, options))
+    _framework_args: tuple[str, ...]  # the framework's DDPStrategy arguments the glue passes on
+
+    def __init__(
+        self,
+        stage: int = 0,
+        *,
+        config: ZeroConfig | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
+    ) -> None:
+        """The run, then the framework's strategy: ``options`` that name one of its arguments
+        (``_framework_args``) go to it, the others are ZeroConfig fields (see the glue's docstring)."""
+        passed = {name: options.pop(name) for name in self._framework_args if name in options}
+        self._run = ZeroRun(config_of(stage, config, options, self._framework_args))
+        super().__init__(start_method=start_method, **passed)  # type: ignore[call-arg]
 
     @abstractmethod
     def _user_model(self) -> nn.Module:

@@ -68,11 +68,14 @@ log = logging.getLogger(__name__)
 START_METHODS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))  # name suffix, start method
 
 
-def config_of(stage: int, config: ZeroConfig | None, options: dict[str, Any]) -> ZeroConfig:
-    """A strategy's config: ``config`` as it is, or ``stage`` and ``options`` checked into one."""
+def config_of(
+    stage: int, config: ZeroConfig | None, options: dict[str, Any], others: tuple[str, ...] = ()
+) -> ZeroConfig:
+    """A strategy's config: ``config`` as it is, or ``stage`` and ``options`` checked into one
+    (``others``: the strategy's own argument names, listed too when a name is unknown)."""
     if config is not None and (options or stage != 0):
         raise TypeError("give either config=ZeroConfig(...) or stage and options, not both")
-    return config if config is not None else ZeroConfig.from_kwargs(stage=stage, **options)
+    return config if config is not None else ZeroConfig.from_kwargs(others, stage=stage, **options)
 
 
 def register_names(cls: type, registry: _StrategyRegistry) -> None:

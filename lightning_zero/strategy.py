@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -25,8 +21,7 @@ from typing_extensions import override
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero.checkpoint.hooks import to_sharded_state
 from lightning_zero.checkpoint.states import model_state, optimizer_state
-from lightning_zero.config import ZeroConfig
-from lightning_zero.glue import RunGlue
+from lightning_zero.glue import DDP_ARGS, RunGlue
 from lightning_zero.grad_sync import ZeroModule
 from lightning_zero.guard import NonFiniteGuard
 from lightning_zero.precision import install_sharded_clipping, remove_sharded_clipping
@@ -59,39 +54,15 @@ class ZeroStrategy(RunGlue, DDPStrategy):
             ``wrap_policy``, ...); an unknown name is a ``TypeError`` that lists the known ones.
     """
 
-    def __init__(
-        self,
-        stage: int = 0,
-        *,
-        config: ZeroConfig | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **options: Any,
-    ) -> None:
-        self._start_run(stage, config, options)  # see [Note: one runtime, two glues]
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+    _framework_args = (*DDP_ARGS, "precision_plugin")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the run, then Lightning's DDPStrategy (see RunGlue)
         self._forward_redirection = _ForwardRedirection()
         self._user_precision_plugin: Precision | None = None  # restored after fitting (loss scaling)
         self._boundary: StepBoundary | None = None  # signals and data agreed per batch (signals.py)
         self._handed: dict[str, Any] | None = None  # the state dict the checkpoint hooks were given
-        self._guard: NonFiniteGuard | None = (
-            None  # nonfinite_grads skip/stop, agreed by every rank (guard.py)
-        )
+        self._guard: NonFiniteGuard | None = None  # nonfinite_grads skip/stop, agreed by all (guard.py)
 
     @property
     def nonfinite_guard(self) -> NonFiniteGuard | None:
@@ -185,10 +156,7 @@ class ZeroStrategy(RunGlue, DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's accumulation window (and ``toggle_model(sync_grad=False)``): no collective runs."""
-        if self.engine is None:
-            yield None
-            return
-        with self.engine.no_sync():
+        with self.engine.no_sync() if self.engine is not None else nullcontext():
             yield None
 
     @override
@@ -224,10 +192,8 @@ class ZeroStrategy(RunGlue, DDPStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        guard = (
-            self._guard if getattr(self.precision_plugin, "scaler", None) is None else None
-        )  # fp16: the scaler's
-        step = super().optimizer_step
+        fp16 = getattr(self.precision_plugin, "scaler", None) is not None  # then the scaler skips steps
+        guard, step = None if fp16 else self._guard, super().optimizer_step
         with self._stepping(self._optimizer_index(optimizer) if self.engine is not None else None):
             if guard is None:
                 return step(optimizer, closure, model, **kwargs)
@@ -285,10 +251,8 @@ class ZeroStrategy(RunGlue, DDPStrategy):
     ) -> None:
         """Rank 0 writes one file (``"full"``), or every rank its shards into a directory (``"sharded"``);
         under the final name only once complete. All ranks call it."""
-        if self._boundary is not None:
-            with self._boundary.saving():  # a second signal lets the save complete (signals.py)
-                self._save_checkpoint(checkpoint, filepath, storage_options)
-        else:
+        # a second signal lets the save complete (signals.py)
+        with self._boundary.saving() if self._boundary is not None else nullcontext():
             self._save_checkpoint(checkpoint, filepath, storage_options)
 
     def _save_checkpoint(

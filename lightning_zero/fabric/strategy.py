@@ -10,14 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.init import _EmptyInit
@@ -29,11 +24,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint as checkpoints
-from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import Engine
 from lightning_zero.fabric import checkpoint as fcheckpoint
 from lightning_zero.fabric.failures import FailureHook, ReportingLauncher
-from lightning_zero.glue import RunGlue
+from lightning_zero.glue import DDP_ARGS, RunGlue
 from lightning_zero.grad_sync import ZeroModule
 
 
@@ -57,32 +51,10 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
             the known ones.
     """
 
-    def __init__(
-        self,
-        stage: int = 0,
-        *,
-        config: ZeroConfig | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **options: Any,
-    ) -> None:
-        self._start_run(stage, config, options)  # see [Note: one runtime, two glues]
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+    _framework_args = (*DDP_ARGS, "precision")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the run, then Fabric's DDPStrategy (see RunGlue)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._module: nn.Module | None = None  # the user's model (the one this strategy sets up)
         self._wrapped: ZeroModule | None = None  # the engine's wrapper, once wrapped
@@ -166,15 +138,10 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
     def _before_forward(self, module: nn.Module, *_: Any) -> None:
         """Training began; before a training forward the ranks' steps and backward passes are
         agreed (see [Note: steps agreed] in signals.py: Fabric has no per-batch agreement)."""
-        self._close()
+        self._closed = True  # training began: the optimizers set up so far are all the model has
         if torch.is_grad_enabled() and module.training:
             self._run.forwards += 1
             self._run.agree_counts(f"before training forward {self._run.forwards}", self.root_device)
-
-    def _close(self, *_: Any) -> None:
-        """Training began (a forward, ``no_backward_sync``): the optimizers set up so far are all the
-        model trains with."""
-        self._closed = True
 
     def _ready(self) -> Engine:
         """The engine of the model set up."""
@@ -211,7 +178,7 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
     def no_sync(self) -> AbstractContextManager:
         """No collective inside where the stage honours it (see ZeroConfig.accumulate_unsharded)."""
         engine = self._ready()
-        self._close()
+        self._closed = True  # as a training forward does
         return engine.no_sync()
 
     @override
@@ -280,18 +247,14 @@ class ZeroFabricStrategy(RunGlue, DDPStrategy, _Sharded):
         ``empty_init=True`` skips the initialisers (for a model a checkpoint will fill)."""
         stack = ExitStack()
         stack.enter_context(self.root_device)
-        stack.enter_context(self._init_context(empty_init))
+        # stage 3 with empty_init: on the meta device; otherwise full size, initialised unless empty_init
+        stack.enter_context(self._meta_init(empty_init) or _EmptyInit(enabled=bool(empty_init)))
         stack.enter_context(self.precision.module_init_context())
         return stack
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
         return self._meta_init() or nullcontext()
-
-    def _init_context(self, empty_init: bool | None) -> AbstractContextManager:
-        """At stage 3 with ``empty_init=True`` on the meta device; otherwise on the device, full size,
-        initialised unless ``empty_init``."""
-        return self._meta_init(empty_init) or _EmptyInit(enabled=bool(empty_init))
 
     # -- checkpoints -----------------------------------------------------------------------------
 

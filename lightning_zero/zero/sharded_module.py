@@ -234,10 +234,8 @@ class ZeroThree:
                 handles.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
         if self.root_unit is not None:
             for module in _root_param_owners(root, self.units):
-                handles.append(
-                    module.register_forward_pre_hook(self._root_pre_hook(module), with_kwargs=True)
-                )
-                handles.append(module.register_forward_hook(self._root_post_hook(module)))
+                handles.append(module.register_forward_pre_hook(self._root_pre_hook))
+                handles.append(module.register_forward_hook(self._root_post_hook))
         return handles
 
     def remove_hooks(self, *, keep_forward: bool = False) -> None:
@@ -360,30 +358,22 @@ class ZeroThree:
 
         return hook
 
-    def _root_pre_hook(self, owner: nn.Module):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
-            root = self.root_unit
-            if module is not owner:
-                return
-            if not (root.gathered or root.gather_handle is not None):
-                root.gather()  # the first module of the step holding root parameters
-            root.mirror_grads(False)  # the module computes with them: plain parameters
+    @torch.compiler.disable
+    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        """Before a module that holds root parameters."""
+        root = self.root_unit
+        if not (root.gathered or root.gather_handle is not None):
+            root.gather()  # the first module of the step holding root parameters
+        root.mirror_grads(False)  # the module computes with them: plain parameters
 
-        return hook
-
-    def _root_post_hook(self, owner: nn.Module):
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            root = self.root_unit
-            if module is not owner:
-                return
-            if not self._in_step and not _in_backward() and not _grad_tensors(output):
-                self._release(root)  # called outside a step, nothing to differentiate: freed at once
-            elif root.in_use and not _in_backward():
-                root.mirror_grads(True)  # between its modules, .grad shows the last gradient (as DDP)
-
-        return hook
+    @torch.compiler.disable
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After a module that holds root parameters."""
+        root = self.root_unit
+        if not self._in_step and not _in_backward() and not _grad_tensors(output):
+            self._release(root)  # called outside a step, nothing to differentiate: freed at once
+        elif root.in_use and not _in_backward():
+            root.mirror_grads(True)  # between its modules, .grad shows the last gradient (as DDP)
 
     def _prefetch(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
         """Start gathering the next units of ``order`` that still have a use ahead in this pass."""
