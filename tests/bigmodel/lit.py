@@ -209,17 +209,16 @@ def quiet_trainer(
 ) -> Trainer:
     """A Trainer on ``devices`` processes that does nothing but fit: no logger, no checkpoints, no
     progress bar, no model summary (what the memory and timing runs measure is the strategy's);
-    ``options``: any other Trainer argument (``precision``, ``max_steps``, ...)."""
+    ``options``: any other Trainer argument (``precision``, ``max_steps``, ...), these included."""
+    quiet = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     return Trainer(
         strategy=strategy,
         accelerator=accelerator,
         devices=devices,
         max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
+        default_root_dir=str(root),
         callbacks=list(callbacks),
-        **options,
+        **{**quiet, **options},
     )

@@ -276,6 +276,11 @@ def _gathers_other_shapes(fabric, out: Path) -> None:
     except Exception as err:  # noqa: BLE001  (the test asserts on it)
         outcome = f"{type(err).__name__}: {err}"
     (out / f"rank{fabric.global_rank}").write_text(outcome)
+    # a failed rank exits with status 1, and the launcher then ends the others at once: wait (a
+    # bounded time) for the other rank's outcome, so the test reads what both found
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((out / f"rank{r}").exists() for r in (0, 1)):
+        time.sleep(0.05)
 
 
 def test_fabric_all_gather_of_different_shapes_is_a_named_desync_on_every_rank(tmp_path):

@@ -71,13 +71,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 from omegaconf import OmegaConf
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from examples.data import CharDataModule
 from examples.gpt import GPTLightning
 from lightning_zero import ZeroStrategy
+from tests.bigmodel.lit import quiet_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SEED = 1234
@@ -167,22 +168,18 @@ def fit(out: Path, stage: int, precision: str, ranks: int) -> dict:
     data = CharDataModule(**cfg["data"])
     model = GPTLightning(vocab_size=data.vocab_size, **cfg["model"])
     val_batches = VAL_WINDOWS // GLOBAL_BATCH  # per rank; ranks take interleaved windows
-    trainer = Trainer(
-        strategy=ZeroStrategy(**strategy_options(stage), start_method="fork"),
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        ZeroStrategy(**strategy_options(stage), start_method="fork"),
+        out,
         devices=ranks,
+        max_epochs=None,
+        callbacks=[Record(out)],
         precision=precision,
         max_steps=STEPS,
         val_check_interval=VAL_EVERY,
         check_val_every_n_epoch=None,
         limit_val_batches=val_batches,
         num_sanity_val_steps=val_batches,  # the step-0 validation
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Record(out)],
-        default_root_dir=out,
     )
     trainer.fit(model, datamodule=data)
     return torch.load(out / "result.pt")

@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
+from tests.bigmodel.lit import quiet_trainer
 from tests.compare import max_diff, state_diff
 from tests.integration.lit import LitTiny, SaveRankParams
 
@@ -21,20 +21,15 @@ def _fit(strategy: str, out_dir, *, max_epochs: int, ckpt_path=None, checkpoint=
     callbacks = [SaveRankParams(str(out_dir))]
     if checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out_dir / "ckpt"), save_last=True, save_top_k=-1))
-    trainer = Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        strategy,
+        out_dir,
         max_epochs=max_epochs,
+        callbacks=callbacks,
         accumulate_grad_batches=2,
         gradient_clip_val=0.05,
         gradient_clip_algorithm="norm",
-        logger=False,
         enable_checkpointing=checkpoint,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=str(out_dir),
     )
     trainer.fit(LitTiny(groups=True), ckpt_path=ckpt_path)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
@@ -83,17 +78,7 @@ def test_resume_continues_exactly(tmp_path, stage):
 
 
 def test_sharded_stage_on_one_process_trains_with_a_warning(tmp_path):
-    trainer = Trainer(
-        strategy="zero2",
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = quiet_trainer("zero2", tmp_path, devices=1, max_epochs=None, max_steps=3)
     model = LitTiny(groups=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:

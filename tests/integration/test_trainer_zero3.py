@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
+from tests.bigmodel.lit import quiet_trainer
 from tests.compare import max_diff, state_diff
 from tests.integration.lit import LitTiny, SaveRankParams
 
@@ -29,21 +30,16 @@ def _trainer(stage: int, out_dir, *, max_epochs: int, checkpoint: bool = False, 
     callbacks = [SaveRankParams(str(out_dir))]
     if checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out_dir / "ckpt"), save_last=True, save_top_k=-1))
-    return Trainer(
-        strategy=_strategy(stage),
-        accelerator="cpu",
-        devices=2,
+    return quiet_trainer(
+        _strategy(stage),
+        out_dir,
         max_epochs=max_epochs,
+        callbacks=callbacks,
         accumulate_grad_batches=2,
         gradient_clip_val=0.05,
         val_check_interval=val_every,  # 3: validation in the middle of the epoch too
         limit_val_batches=2,
-        logger=False,
         enable_checkpointing=checkpoint,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=str(out_dir),
     )
 
 
