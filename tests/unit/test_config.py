@@ -37,6 +37,34 @@ def test_unknown_option_names_the_option_and_lists_the_known_ones():
         ZeroStrategy(bucket_cap_mbb=1)
 
 
+def test_each_glue_passes_its_frameworks_arguments_on_and_names_them_when_a_name_is_unknown():
+    from datetime import timedelta
+
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    trainer_plugin, fabric_plugin = TrainerPrecision(), FabricPrecision()
+    trainer = ZeroStrategy(2, timeout=timedelta(seconds=7), precision_plugin=trainer_plugin, bucket_cap_mb=3)
+    assert trainer._timeout == timedelta(seconds=7) and trainer.precision_plugin is trainer_plugin
+    assert (trainer.config.stage, trainer.config.bucket_cap_mb, trainer._start_method) == (2, 3, "popen")
+    fabric = ZeroFabricStrategy(
+        3, start_method="spawn", precision=fabric_plugin, process_group_backend="gloo"
+    )
+    assert fabric.precision is fabric_plugin and fabric._process_group_backend == "gloo"
+    assert (fabric.config.stage, fabric._start_method) == (3, "spawn")
+    # each takes its own framework's name for the precision, and says which names it takes
+    with pytest.raises(
+        TypeError, match="unknown ZeroConfig option.*precision;.*strategy's own.*precision_plugin"
+    ):
+        ZeroStrategy(precision=fabric_plugin)
+    with pytest.raises(
+        TypeError, match="precision_plugin;.*strategy's own: accelerator.*timeout, precision$"
+    ):
+        ZeroFabricStrategy(precision_plugin=trainer_plugin)
+
+
 def test_defaults():
     cfg = ZeroConfig()
     assert (cfg.stage, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb) == (0, 25.0, 1.0)
