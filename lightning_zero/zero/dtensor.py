@@ -524,10 +524,20 @@ def sharded_param(
 def like_param(param: DTensor, local: Tensor) -> ZeroDTensor:
     """``local`` (this rank's rows of a tensor shaped like ``param``) laid out as ``param``: its
     gradient, or an optimizer state of it."""
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    out = DTensor(
-        local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta), requires_grad=False
-    )
+    return laid_out(local, layout_like(param, local.dtype))
+
+
+def layout_like(param: DTensor, dtype: torch.dtype) -> DTensorSpec:
+    """The layout of a tensor of ``dtype`` shaped and placed like ``param``. Building it costs
+    several times what wrapping a tensor with it does: a caller that lays out a tensor like the
+    same parameter every step (its gradient) keeps it."""
+    meta = TensorMeta(param.shape, param.stride(), dtype)
+    return DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta)
+
+
+def laid_out(local: Tensor, layout: DTensorSpec) -> ZeroDTensor:
+    """``local`` (this rank's rows) as a tensor of ``layout`` (see :func:`layout_like`)."""
+    out = DTensor(local, layout, requires_grad=False)
     out.__class__ = ZeroDTensor
     return out
 

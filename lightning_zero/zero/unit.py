@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
-from lightning_zero.zero.dtensor import Writes, like_param, local_of, sharded_param
+from lightning_zero.zero.dtensor import Writes, laid_out, layout_like, local_of, sharded_param
 from lightning_zero.zero.flat_param import FlatParameter
 
 Slots = list[tuple[nn.Module, str]]  # where a parameter is registered: (module, attribute name)
@@ -142,6 +142,7 @@ class UnitFlat:
             for i, (n, shape) in enumerate(zip(self.names, flat.shapes))
         ]  # fmt: skip
         flat.params = self.sharded
+        self.grad_layouts: dict[torch.dtype, list] = {}  # per dtype, each gradient's (add_reduced)
         self.full = torch.empty(flat.padded_numel, dtype=self.compute_dtype, device=device)
         self.unsharded = [  # gathered: plain parameters viewing `full`, the same objects every time
             nn.Parameter(self.full[o : o + s.numel()].view(s), requires_grad=trainable)
@@ -296,15 +297,19 @@ class UnitFlat:
         ``reduced`` where ``.grad`` is None, else added into it (the window: [Note: gradient
         window] in flat_param.py). Returns, per parameter, whether it held a gradient before."""
         held = [p.grad is not None for p in self.sharded]
-        if reduced.dtype != self.flat.shard.dtype:
-            reduced = reduced.to(self.flat.shard.dtype)
+        dtype = self.flat.shard.dtype
+        if reduced.dtype != dtype:
+            reduced = reduced.to(dtype)
+        layouts = self.grad_layouts.get(dtype)
+        if layouts is None:  # once per dtype: the parameters at rest are the same objects all run
+            layouts = self.grad_layouts[dtype] = [layout_like(p, dtype) for p in self.sharded]
         with torch.no_grad():
             for i, p in enumerate(self.sharded):
                 part = self.flat.local_view(i, reduced)
                 if held[i]:
                     local_of(p.grad).add_(part)
                 else:
-                    p.grad = like_param(p, part)
+                    p.grad = laid_out(part, layouts[i])
         return held
 
 
