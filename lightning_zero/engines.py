@@ -135,8 +135,9 @@ class Engine:
 
     def grad_copies(self) -> int:
         """Gradients copied or added into a bucket or unit buffer so far, rather than accumulated there
-        by autograd (stages 0, 1 and 3: none once a step's gradients land in their buffers; stage 2 and
-        a ``reduce_dtype`` of its own add each fresh gradient in, by design)."""
+        by autograd (stages 0 and 1: none once a step's gradients land in their buckets; stage 2 and
+        a ``reduce_dtype`` of its own add each fresh gradient in, by design; stage 3 copies each
+        gradient once per reduced backward into its unit's ReduceScatter input, laid out as the shards)."""
         sync = self.wrapped.sync if self.wrapped is not None else None
         if hasattr(sync, "units"):
             return sum(u.grad_copies for u in sync.units)

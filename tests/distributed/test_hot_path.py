@@ -72,6 +72,7 @@ def _steps(rank: int, world: int, stage: int, precision: str) -> dict:
     comm = Communicator()
     broadcast_module_states(model, comm, label="t")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainable = sum(p.requires_grad for p in model.parameters())
     options = {"wrap_policy": "tests.distributed.models.Block"} if stage == 3 else {}
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, **options)
     engine = make_engine(config, comm, resolve_policy(None, None, precision))
@@ -94,7 +95,7 @@ def _steps(rank: int, world: int, stage: int, precision: str) -> dict:
             optimizer.zero_grad()
         syncs.append(counter.calls)
         copies.append(engine.grad_copies() - before)
-    return {"syncs": syncs[1:], "copies": copies[1:]}
+    return {"syncs": syncs[1:], "copies": copies[1:], "trainable": trainable}
 
 
 # about 25 s each; the default suite counts the same through the Trainer at every stage
@@ -105,9 +106,14 @@ def test_no_host_synchronisation_per_step(tmp_path, precision):
     for stage in (0, 1, 2, 3):
         for rank in run_ranks(_steps, 2, tmp_path, stage, precision):
             assert all(calls == {} for calls in rank["syncs"]), (stage, rank["syncs"])
-            # a gradient lands in its bucket or unit buffer once, also with zero_grad between forward
-            # and backward; stage 2 adds each fresh gradient into a bucket made on demand, by design
-            if stage != 2:
+            # a gradient lands in its bucket once, also with zero_grad between forward and backward;
+            # stage 2 adds each fresh gradient into a bucket made on demand, by design; stage 3
+            # copies each gradient once per backward from the gathered parameters into its unit's
+            # ReduceScatter input, laid out as the shards (as FSDP2 does): two backward passes a
+            # step, both reduced (accumulate_unsharded is off by default)
+            if stage in (0, 1):
                 assert rank["copies"] == [0, 0, 0], (stage, rank["copies"])
+            elif stage == 3:
+                assert rank["copies"] == [2 * rank["trainable"]] * 3, (stage, rank["copies"])
             else:
                 assert all(c > 0 for c in rank["copies"])
