@@ -69,6 +69,21 @@ def shape_of(module) -> tuple[int, int, int]:
     return sum(p.numel() for p in params), root, len(params)
 
 
+def row_layout(module, n: int) -> tuple[int, int]:
+    """Stage 3's Ψ and root unit as laid out over N ranks ([Note: row layout] in
+    zero/flat_param.py): each parameter's first dimension rounded up to a multiple of N, a 0-dim
+    one held by every rank. What its collectives move and its shards hold, padding included."""
+    in_blocks = {
+        id(p) for name, m in module.named_modules() if type(m).__name__ == "Block" for p in m.parameters()
+    }
+
+    def laid(p) -> int:
+        return n if p.dim() == 0 else -(-p.shape[0] // n) * n * (p.numel() // p.shape[0])
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    return sum(laid(p) for p in params), sum(laid(p) for p in params if id(p) not in in_blocks)
+
+
 # --------------------------------------------------------------------------- runs inside the ranks
 
 
@@ -150,15 +165,21 @@ def predicted_wire(stage: int, n: int, psi: int, root: int, accumulate: int) -> 
     return {"reduce_scatter": full.reduce_scatter * accumulate, "all_gather": gather * accumulate}
 
 
-def check_traffic(rows, stage: int, n: int, psi: int, root: int, accumulate: int, *, clip: bool) -> None:
-    """Every step's wire bytes equal the plan within padding; nothing unplanned ran."""
+def check_traffic(
+    rows, stage: int, n: int, psi: int, root: int, accumulate: int, *, clip: bool, laid: tuple[int, int]
+) -> None:
+    """Every step's wire bytes equal the plan within padding (stage 3: exactly, its sizes ``laid``
+    out by rows, see row_layout); nothing unplanned ran."""
+    if stage == 3:
+        psi, root = laid
     want = predicted_wire(stage, n, psi, root, accumulate)
     for row in rows:
         for op in OPS:
             wire, payload, calls = (row[f"zero/{op}_{kind}"] for kind in ("wire_bytes", "bytes", "calls"))
             factor = (2 if op == "all_reduce" else 1) * (n - 1) / n  # ring bytes per payload byte
             if op in want:
-                padding = calls * (n - 1) * PARAM_BYTES  # each collective's tensor pads by < N elements
+                # stages 1-2: each collective's tensor pads by < N elements; stage 3: in `laid`
+                padding = calls * (n - 1) * PARAM_BYTES if stage != 3 else 0
                 assert want[op] <= wire <= want[op] + factor * padding, (
                     stage,
                     op,
@@ -177,9 +198,13 @@ def check_traffic(rows, stage: int, n: int, psi: int, root: int, accumulate: int
         assert row["zero/exposed_comm_cuda_events"] == 0.0  # CPU tensors: timed with the host's clock
 
 
-def check_memory(rows, stage: int, n: int, psi: int, root: int, tensors: int) -> None:
+def check_memory(
+    rows, stage: int, n: int, psi: int, root: int, tensors: int, *, laid: tuple[int, int]
+) -> None:
+    if stage == 3:  # the sizes laid out by rows (see row_layout): padding included
+        psi, root = laid
     want = model_state_memory(psi, n, stage, k=ADAM_K, param_bytes=PARAM_BYTES, grad_bytes=GRAD_BYTES)
-    padding = tensors * (n - 1)  # elements: at most N - 1 per flat space, fewer spaces than tensors
+    padding = tensors * (n - 1) if stage != 3 else 0  # elements: at most N - 1 per flat space
     scalars = 4 * tensors  # Adam's 0-dim step count, one per stepped tensor (or shard)
     for row in rows:
         assert want.params <= row["zero/mem_params_bytes"] <= want.params + padding * PARAM_BYTES
@@ -188,7 +213,7 @@ def check_memory(rows, stage: int, n: int, psi: int, root: int, tensors: int) ->
         assert want.optimizer < optim <= want.optimizer + padding * ADAM_K + scalars, (stage, optim, want)
         gathered = row["zero/mem_gathered_bytes"]
         if stage == 3:  # the root unit, held from the end of forward into backward
-            assert root * PARAM_BYTES <= gathered <= (root + n - 1) * PARAM_BYTES
+            assert gathered == root * PARAM_BYTES
         else:
             assert gathered == 0
 
@@ -208,12 +233,13 @@ def test_monitor_two_ranks_every_stage_matches_planner(tmp_path, capfd):
     options = dict(model="tiny", accumulate=1, clip=None, summary=True)
     results = run_ranks(fit_all, 2, str(tmp_path), str(tmp_path), stages, options)
     psi, root, tensors = shape_of(tiny_model())
+    laid = row_layout(tiny_model(), 2)
     assert (psi, root) == (5440, 544)
     for stage in stages[:4]:
         rows = read_metrics(tmp_path, f"zero{stage}")
         assert [r["step"] for r in rows] == list(range(STEPS))
-        check_traffic(rows, stage, 2, psi, root, 1, clip=False)
-        check_memory(rows, stage, 2, psi, root, tensors)
+        check_traffic(rows, stage, 2, psi, root, 1, clip=False, laid=laid)
+        check_memory(rows, stage, 2, psi, root, tensors, laid=laid)
         check_times(rows, 2)
         assert results[0]["warnings"][stage] == []
     ddp = read_metrics(tmp_path, "ddp")
@@ -254,33 +280,32 @@ def test_monitor_four_ranks_accumulation_and_clipping(tmp_path):
     options = dict(model="tiny", accumulate=2, clip=1.0)
     run_ranks(fit_all, 4, str(tmp_path), str(tmp_path), stages, options)
     psi, root, tensors = shape_of(tiny_model())
+    laid = row_layout(tiny_model(), 4)
     for stage in stages:
         rows = read_metrics(tmp_path, f"zero{stage}")
         assert [r["step"] for r in rows] == list(range(STEPS))
-        check_traffic(rows, stage, 4, psi, root, 2, clip=True)
-        check_memory(rows, stage, 4, psi, root, tensors)
+        check_traffic(rows, stage, 4, psi, root, 2, clip=True, laid=laid)
+        check_memory(rows, stage, 4, psi, root, tensors, laid=laid)
         check_times(rows, 4)
-
-
-def _padded(numel: int, n: int) -> int:
-    return -(-numel // n) * n
 
 
 @pytest.mark.slow
 def test_monitor_three_ranks_stage3_within_padding(tmp_path):
-    # the root unit's 544 elements pad to 546 on 3 ranks (each Block's 1,632 divides by 3)
+    # on 3 ranks, parameters whose rows do not divide by 3 pad (see row_layout)
     run_ranks(fit_all, 3, str(tmp_path), str(tmp_path), [3], dict(model="tiny", accumulate=1, clip=None))
     psi, root, tensors = shape_of(tiny_model())
+    laid = row_layout(tiny_model(), 3)
     rows = read_metrics(tmp_path, "zero3")
-    check_traffic(rows, 3, 3, psi, root, 1, clip=False)
-    check_memory(rows, 3, 3, psi, root, tensors)
-    padded_root, blocks = _padded(root, 3), psi - root
-    assert (padded_root, _padded(blocks // 3, 3) * 3) == (546, blocks)
-    for row in rows:  # exactly the padded figures
-        assert row["zero/all_gather_bytes"] == 4 * (2 * blocks + padded_root)
-        assert row["zero/reduce_scatter_bytes"] == 4 * (blocks + padded_root)
-        assert row["zero/mem_params_bytes"] == 4 * (blocks + padded_root) / 3
-        assert row["zero/mem_gathered_bytes"] == 4 * padded_root
+    check_traffic(rows, 3, 3, psi, root, 1, clip=False, laid=laid)
+    check_memory(rows, 3, 3, psi, root, tensors, laid=laid)
+    laid_psi, laid_root = laid
+    laid_blocks = laid_psi - laid_root
+    assert laid_psi > psi and laid_root > root  # parameters whose rows do not divide by 3 pad
+    for row in rows:  # exactly the figures laid out by rows
+        assert row["zero/all_gather_bytes"] == 4 * (2 * laid_blocks + laid_root)
+        assert row["zero/reduce_scatter_bytes"] == 4 * laid_psi
+        assert row["zero/mem_params_bytes"] == 4 * laid_psi / 3
+        assert row["zero/mem_gathered_bytes"] == 4 * laid_root
 
 
 @pytest.mark.slow
@@ -288,9 +313,10 @@ def test_monitor_three_ranks_stage3_within_padding(tmp_path):
 def test_monitor_three_ranks_stages_1_2_within_padding(tmp_path, stage):
     run_ranks(fit_all, 3, str(tmp_path), str(tmp_path), [stage], dict(model="tiny", accumulate=1, clip=None))
     psi, root, tensors = shape_of(tiny_model())
+    laid = row_layout(tiny_model(), 3)
     rows = read_metrics(tmp_path, f"zero{stage}")
-    check_traffic(rows, stage, 3, psi, root, 1, clip=False)
-    check_memory(rows, stage, 3, psi, root, tensors)
+    check_traffic(rows, stage, 3, psi, root, 1, clip=False, laid=laid)
+    check_memory(rows, stage, 3, psi, root, tensors, laid=laid)
 
 
 @pytest.mark.slow
@@ -302,10 +328,11 @@ def test_monitor_gpt_matches_planner(tmp_path, world_size):
     )
     model, _ = gpt_model()
     psi, root, tensors = shape_of(model)
+    laid = row_layout(model, world_size)
     for stage in stages:
         rows = read_metrics(tmp_path, f"zero{stage}")
-        check_traffic(rows, stage, world_size, psi, root, 1, clip=False)
-        check_memory(rows, stage, world_size, psi, root, tensors)
+        check_traffic(rows, stage, world_size, psi, root, 1, clip=False, laid=laid)
+        check_memory(rows, stage, world_size, psi, root, tensors, laid=laid)
 
 
 @pytest.mark.slow
