@@ -200,8 +200,11 @@ def test_peak_gathered_memory_is_bounded(tmp_path, prefetch):
     r = run_ranks(_peak, 2, tmp_path, prefetch)[0]
     block = max(v for k, v in r["sizes"].items() if k != "root")
     ahead = 1 if prefetch else 0  # prefetch_limit units in flight beside the one computing
-    # the root stays gathered through the step; at most one block computing and `ahead` arriving
-    assert r["peak"] == r["sizes"]["root"] + (1 + ahead) * block
+    # the root stays gathered through the step; beside it at most one block computing and `ahead`
+    # arriving, or one block's AllGather output and its parameters while the one is copied into the
+    # other (a block of several parameters is laid out by rows: [Note: row layout], as FSDP2 copies
+    # out its all-gather output), so two blocks also without prefetch
+    assert r["peak"] == r["sizes"]["root"] + max(1 + ahead, 2) * block
     assert r["now"] == 0  # everything released between steps
 
 
