@@ -152,11 +152,19 @@ class Record(Callback):
         if step >= trainer.max_steps:
             trainer.should_stop = True  # as the app's ValidateAtLastStep: one more validation in fit
 
+    def on_train_start(self, trainer, pl_module):
+        # what the module computes with: a weight as its forward sees it (at stage 3 a parameter at
+        # rest is the fp32 master shard's DTensor; the module computes with the gathered values)
+        def seen(module, args):
+            self.dtype = str(module.weight.dtype)
+
+        first = next(m for m in pl_module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
+        first.register_forward_pre_hook(seen)
+
     def on_train_end(self, trainer, pl_module):
         ops = sorted({r.op for r in trainer.strategy.ledger.for_step(1)})  # what the stage sent
-        dtype = str(next(pl_module.parameters()).dtype)  # what the module computed with
         if trainer.global_rank == 0:
-            result = {"losses": self.losses, "params": self.params, "ops": ops, "dtype": dtype}
+            result = {"losses": self.losses, "params": self.params, "ops": ops, "dtype": self.dtype}
             torch.save(result, self.out / "result.pt")
 
 

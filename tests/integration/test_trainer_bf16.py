@@ -15,10 +15,15 @@ from tests.integration.lit import LitTiny, SaveRankParams
 
 
 class CheckDtypes(SaveRankParams):
-    """Also records the dtype the module computes with during training."""
+    """Also records the dtype the module computes with during training: the embedding's weight as
+    its forward sees it (at stage 3 a parameter at rest is the fp32 master shard's DTensor; its
+    module computes with the gathered bf16 values)."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        pl_module.compute_dtype = str(pl_module.net.emb.weight.dtype)
+    def on_train_start(self, trainer, pl_module):
+        def seen(module, args):
+            pl_module.compute_dtype = str(module.weight.dtype)
+
+        pl_module.net.emb.register_forward_pre_hook(seen)
 
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
