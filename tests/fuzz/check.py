@@ -47,6 +47,13 @@ def _list_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
+def _list_relative_diff(a: list[float], b: list[float]) -> float:
+    """As :func:`_list_diff`, each difference relative to the reference's value (bf16 rounds relatively)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+
+
 def problems(program: Program, outcomes: dict) -> list[str]:
     """What is wrong with the program's fits (an empty list when nothing is)."""
     reference: Outcome = outcomes[None]
@@ -68,12 +75,13 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome, tol: float) ->
     out = []
     first = ranks[0]
     against = _diff if tol == TOL else _relative_diff  # against the reference
+    against_list = _list_diff if tol == TOL else _list_relative_diff
     if (d := _diff(first.params, ranks[1].params)) != 0.0:
         out.append(f"{name}: the ranks' parameters after fit differ by {d:.2e}")
     if (d := against(first.params, reference.params)) > tol:
         out.append(f"{name}: parameters after fit differ from the reference by {d:.2e}")
     mean = [(a + b) / 2 for a, b in zip(first.losses, ranks[1].losses)]
-    if len(first.losses) != len(ranks[1].losses) or _list_diff(mean, reference.losses) > tol:
+    if len(first.losses) != len(ranks[1].losses) or against_list(mean, reference.losses) > tol:
         out.append(f"{name}: losses {mean} differ from the reference's {reference.losses}")
     if first.count != reference.count:
         out.append(
@@ -82,7 +90,7 @@ def _compare(name: str, ranks: list[Outcome], reference: Outcome, tol: float) ->
     if (d := against(first.ema, reference.ema)) > tol:
         out.append(f"{name}: the EMA callback's copy differs from the reference's by {d:.2e}")
     val = [(a + b) / 2 for a, b in zip(first.val_losses, ranks[1].val_losses)]
-    if len(first.val_losses) != len(ranks[1].val_losses) or _list_diff(val, reference.val_losses) > tol:
+    if len(first.val_losses) != len(ranks[1].val_losses) or against_list(val, reference.val_losses) > tol:
         out.append(f"{name}: validation losses {val} differ from the reference's {reference.val_losses}")
     relative = [a / max(1.0, abs(b)) for a, b in zip(first.norms, reference.norms)]
     scaled = [b / max(1.0, abs(b)) for b in reference.norms]

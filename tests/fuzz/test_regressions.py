@@ -39,6 +39,11 @@ REGRESSIONS = {
     "bf16_zero0_error_caught_inside_backward": Program(
         blocks=1, manual=1, backward_error=True, precision="bf16-mixed"
     ),
+    # not a defect of the package: the checker compared bf16 losses (about 14) absolutely against a
+    # relative tolerance; every stage agreed, 1.7e-3 off autocast's reference (now compared relatively)
+    "bf16_tied_root_frozen_adapter_clipped": Program(
+        blocks=1, tie="root", adapter=True, clip=0.5, precision="bf16-mixed"
+    ),
     "seed_corpus_reentrant_twice_adapter": Program(
         blocks=3,
         twice=True,
