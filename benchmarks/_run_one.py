@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="STEP",
-        help="rank 0 profiles its steps from STEP on (cProfile) into OUT.profile.json (see StepProfile)",
+        help="rank 0 profiles its steps from STEP on (cProfile) into OUT.profile.json and OUT.pstats (see StepProfile)",
     )
     p.add_argument(
         "--guard",
@@ -228,6 +228,7 @@ class StepProfile(L.Callback):
             return
         self.profile.disable()
         Path(f"{self.out}.profile.json").write_text(json.dumps(profile_buckets(self.profile, self.steps)))
+        self.profile.dump_stats(f"{self.out}.pstats")  # the whole profile, for `python -m pstats`
 
 
 def profile_buckets(profile: Any, steps: int) -> dict[str, Any]:
