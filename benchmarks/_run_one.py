@@ -42,6 +42,7 @@ import lightning_zero  # noqa: E402
 from benchmarks.bench_step_time import (  # noqa: E402
     DEFAULT_PRECISION,
     PRECISION_NAMES,
+    QUANTIZED,
     STRATEGY_NAMES,
     add_run_arguments,
 )
@@ -144,8 +145,8 @@ def build_strategy(name: str, args: argparse.Namespace) -> Strategy | str:
     if name == "fsdp":
         unit = import_object(args.wrap_policy)
         return CPUFSDPStrategy(start_method=args.start_method, auto_wrap_policy={unit})
-    stage = int(name.removeprefix("zero"))
-    extra = {"wrap_policy": args.wrap_policy} if stage == 3 else {}
+    stage = int(name.removeprefix("zero")[0])
+    extra = {"wrap_policy": args.wrap_policy, **QUANTIZED.get(name, {})} if stage == 3 else {}
     return lightning_zero.ZeroStrategy(
         stage=stage, start_method=args.start_method, bucket_cap_mb=args.bucket_cap_mb, **extra
     )

@@ -44,7 +44,21 @@ from typing import Any, NamedTuple
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().parent / "_run_one.py"  # one timed training run
 MIB = 1024 * 1024
-STRATEGY_NAMES = ("auto", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3")  # what a run can be given
+QUANTIZED = {  # stage 3 with int8 on the wire (docs/quantized.md): name -> ZeroConfig options
+    "zero3-int8": {"quantize_weights": True, "quantize_grads": True},
+    "zero3-int8w": {"quantize_weights": True},
+    "zero3-int8g": {"quantize_grads": True},
+}
+STRATEGY_NAMES = (
+    "auto",
+    "ddp",
+    "fsdp",
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+    *QUANTIZED,
+)  # what a run can be given
 PRECISION_NAMES = ("32-true", "bf16-mixed")  # Trainer(precision=...) a run can be given
 DEFAULT_PRECISION = "32-true"  # also the precision of records written before --precisions existed
 
@@ -148,7 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--repeats and --devices must be >= 1, got {args.repeats}, {args.devices}")
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
-    if "zero3" in args.strategies and not zero3_registered():
+    if any(s.startswith("zero3") for s in args.strategies) and not zero3_registered():
         raise SystemExit("zero3 is not registered by this lightning_zero build; leave it out of --strategies")
 
 

@@ -129,6 +129,24 @@ class ZeroConfig:
             inter-node links, at the price of memory: the sharded terms of the formulas divide
             by shard_size instead of the world size (docs/planning.md, "Hybrid sharding"). It
             must divide the world size and the ranks per node (or be a multiple of them).
+        quantize_weights: stage 3: each unit's all-gather sends its weights as int8 blocks with
+            one fp32 scale per block (ZeRO++'s qwZ): about 4x fewer bytes than fp32, 2x fewer than
+            bf16, at the price of computing with weights rounded to 1/254 of their block's
+            largest value. The shards (fp32 masters under bf16) stay the only copy and what the
+            optimizer steps; checkpoints hold full values (docs/quantized.md).
+        quantize_grads: stage 3: each unit's gradient reduction sends int8 blocks (ZeRO++'s qgZ),
+            as an all-to-all whose chunks every rank dequantizes and sums in fp32, so that each
+            value is rounded once; accumulation and the step stay in full precision.
+        quantize_block: elements per int8 block (one fp32 scale each); blocks never span two
+            parameters. Smaller blocks follow the values' range more closely and send more scales
+            (4 bytes per block). A multiple of 32 up to 65536.
+        quantize_guard: the accuracy guard of quantized communication: when a block of some rank
+            lost more than this share of its nonzero values to rounding (outliers set its scale),
+            the collective runs again in full precision and that unit's weights or gradients stay
+            in full precision for ``quantize_fallback_steps`` steps, with a warning. None: off
+            (on a GPU the guard reads a figure on the host after each quantized collective).
+        quantize_fallback_steps: how many steps a unit stays in full precision after the guard
+            tripped, before trying int8 again.
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -160,6 +178,11 @@ class ZeroConfig:
     verify_checkpoints: bool = True  # check CRC32s of tensors/chunks when loading
     cpu_allocator: str = "tuned"  # CPU on glibc: "tuned" (freed memory returned) | "default"
     shard_size: Any = None  # hybrid sharding: ranks per shard group (int), "node", "auto", or None: all ranks
+    quantize_weights: bool = False  # stage 3: int8 all-gather of weights (qwZ)
+    quantize_grads: bool = False  # stage 3: int8 gradient reduction (qgZ)
+    quantize_block: int = 256  # elements per int8 block (one fp32 scale each)
+    quantize_guard: float | None = 0.5  # a block losing more than this share to rounding: full precision
+    quantize_fallback_steps: int = 100  # steps in full precision after the guard tripped
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -193,6 +216,7 @@ class ZeroConfig:
                 raise ValueError(f"{name} must be one of 'bf16', 'fp16', 'fp32' or null, got {value!r}")
         self._check_failure_handling()
         self._check_shard_size()
+        self._check_quantization()
         if self.cpu_allocator not in CPU_ALLOCATOR_MODES:
             raise ValueError(
                 f"cpu_allocator must be one of {list(CPU_ALLOCATOR_MODES)}, got {self.cpu_allocator!r}"
@@ -229,6 +253,29 @@ class ZeroConfig:
                 f"shard_size={value!r} with stage 0: stage 0 shards nothing, so there is no group to shard "
                 "in; use stage 1, 2 or 3, or leave shard_size unset"
             )
+
+    def _check_quantization(self) -> None:
+        _check_bool("quantize_weights", self.quantize_weights)
+        _check_bool("quantize_grads", self.quantize_grads)
+        if self.stage != 3 and (self.quantize_weights or self.quantize_grads):
+            raise ValueError(
+                f"quantize_weights and quantize_grads apply to stage 3 in this version, got stage={self.stage}"
+            )
+        _check_int("quantize_block", self.quantize_block)
+        if not 32 <= self.quantize_block <= 65536 or self.quantize_block % 32:
+            raise ValueError(
+                f"quantize_block must be a multiple of 32 from 32 to 65536, got {self.quantize_block}"
+            )
+        guard = self.quantize_guard
+        if guard is not None and (
+            isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0 < guard < 1
+        ):
+            raise ValueError(
+                f"quantize_guard must be a share between 0 and 1 (exclusive) or null, got {guard!r}"
+            )
+        _check_int("quantize_fallback_steps", self.quantize_fallback_steps)
+        if self.quantize_fallback_steps < 1:
+            raise ValueError(f"quantize_fallback_steps must be >= 1, got {self.quantize_fallback_steps}")
 
     def _check_classes(self) -> None:
         """Import paths are resolved now, where the value enters, not when the processes start."""

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.comm import Communicator
+from lightning_zero.comm.quantize import WireQuantization
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync import GradReducer, ZeroModule, trainable_parameters, wrap_module
 from lightning_zero.imports import resolve_init_fn
@@ -420,6 +421,7 @@ class FullyShardedEngine(Engine):
             device=device,
             broadcast=not self.deferred,
             initializer=self._initializer(rng_state, device) if self.deferred else None,
+            quantize=WireQuantization.of(cfg),
         )
         _place_buffers(module, device, self.comm, broadcast=not self.deferred, label=self.label)
         self._stepped: dict[int, tuple[FlatParameter, int]] = {}  # id(what an optimizer steps) -> its place

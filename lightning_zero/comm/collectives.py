@@ -339,6 +339,15 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
             handle.wait()
         return handle
 
+    def all_to_all(self, output: Tensor, input: Tensor, *, name: str, op: str = "reduce_scatter") -> Handle:
+        """Chunk r of ``input`` (1D, N equal chunks) to rank r; chunk r of ``output`` from rank r.
+        Recorded in the ledger as ``op``: the int8 gradient reduction is the reduce-scatter it
+        stands for ([Note: quantized communication] in quantize.py), with the bytes it sends."""
+        nbytes = input.numel() * input.element_size()
+        lent = (lend(output), lend(input))
+        launch = lambda: dist.all_to_all_single(*lent, group=self.group, async_op=True)  # noqa: E731
+        return self._issue(op, name, nbytes, launch, device=input.device, lent=lent)
+
     def broadcast(self, tensor: Tensor, *, src: int = 0, name: str, control: bool = False) -> None:
         """Overwrite ``tensor`` on every rank with rank ``src``'s value (synchronous)."""
         nbytes = tensor.numel() * tensor.element_size()

@@ -72,6 +72,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_zero.comm import Communicator, Handle
 from lightning_zero.comm.devicemesh import device_mesh
+from lightning_zero.comm.quantize import WireQuantization
 from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.reducer import UnusedParametersError, sync_suspended
 from lightning_zero.memory import GatherMeter
@@ -116,6 +117,7 @@ class ZeroThree:
         broadcast: units take rank 0's values as they are sharded (a model built on every rank).
         initializer: the model was built on the meta device: gives each module its values as the
             units are built (see [Note: deferred initialisation]).
+        quantize: int8 on the wire for weights and/or gradients ([Note: quantized communication]).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class ZeroThree:
         device: torch.device | None = None,
         broadcast: bool = False,
         initializer: Initializer | None = None,
+        quantize: WireQuantization | None = None,
     ) -> None:
         self.comm = comm
         self.label = label
@@ -157,6 +160,7 @@ class ZeroThree:
             "device": device,
             "broadcast": broadcast,
             "mesh": self.mesh,
+            "quantize": quantize,
         }
         unit_modules = select_units(root, policy)
         self.originals: dict[

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.comm.quantize import BlockLayout, WireQuantization
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.dtensor import Writes, laid_out, layout_like, local_of, sharded_param
@@ -108,6 +109,7 @@ class UnitFlat:
         policy: PrecisionPolicy | None,
         device: torch.device,
         broadcast: bool,
+        quantize: WireQuantization | None = None,
     ) -> None:
         self.name = name
         self.comm = comm
@@ -163,6 +165,18 @@ class UnitFlat:
         self.version: int | None = None  # the shard's version when gathered for writing back
         self.accumulated: list[Tensor | None] | None = None  # no_sync: gradients kept in the reduce dtype
         self.count: Any = _no_count  # (bytes) -> None: the unit's meter of gathered bytes
+        self.out_bytes = 0  # bytes counted for the AllGather's output in flight
+        self.gather_name = ""  # the AllGather in flight's name (its fallback's stem)
+        self.wire: BlockLayout | None = None  # int8 all-gathers ([Note: quantized communication])
+        if (
+            quantize is not None
+            and quantize.weights
+            and comm.world_size > 1
+            and flat.shard.is_floating_point()
+        ):
+            self.wire = BlockLayout(flat.chunks, quantize.block)
+            self.guard = quantize.guard_for(f"weights of unit {name!r}", lambda: comm.ledger.step)
+        self.quantized = False  # the AllGather in flight sends int8 blocks
 
     @property
     def nbytes(self) -> int:
@@ -173,6 +187,22 @@ class UnitFlat:
         """Start the AllGather (nothing if gathered or under way already)."""
         if self.gathered or self.gather_handle is not None:
             return
+        self.gather_name = f"{label}/all_gather/unit={self.name}"
+        shard = self.flat.shard.detach()
+        if self.wire is not None and self.guard.quantize_now():
+            packed, figure = self.wire.quantize(shard.view(1, -1), measure=self.guard.threshold is not None)
+            self.wire.set_figures(packed, figure)
+            self.gather_in = packed.view(-1)
+            self.gather_out = torch.empty(
+                self.comm.world_size * self.wire.nbytes, dtype=torch.uint8, device=shard.device
+            )
+            self.quantized = True
+            self._issue_gather(comm, self.gather_out.numel(), "/int8")
+            return
+        self._start_full(comm)
+
+    def _start_full(self, comm: Communicator, suffix: str = "") -> None:
+        """The AllGather in the compute dtype (``suffix``: "/fallback" after the guard refused int8)."""
         shard = self.flat.shard.detach()
         self.gather_in = shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
         if self.direct:
@@ -180,10 +210,15 @@ class UnitFlat:
             self.gather_out = self.full
         else:
             self.gather_out = torch.empty_like(self.full, memory_format=torch.contiguous_format)
-        name = f"{label}/all_gather/unit={self.name}"
-        self.count(self.nbytes)
+        self._issue_gather(comm, self.nbytes, suffix)
+
+    def _issue_gather(self, comm: Communicator, out_bytes: int, suffix: str = "") -> None:
+        self.out_bytes = out_bytes
+        self.count(out_bytes)
         with torch.autograd._unsafe_preserve_version_counter(self.full):  # see finish_gather
-            self.gather_handle = comm.all_gather(self.gather_out, self.gather_in, name=name)
+            self.gather_handle = comm.all_gather(
+                self.gather_out, self.gather_in, name=self.gather_name + suffix
+            )
 
     def finish_gather(self) -> None:
         """Wait for the AllGather and lay its output out as the parameters."""
@@ -191,16 +226,54 @@ class UnitFlat:
             return
         self.gather_handle.wait()
         self.gather_handle = None
+        if self.quantized:
+            self._finish_quantized()
+            return
         if not self.direct:  # `full` allocated, filled, then the AllGather's buffer freed
-            self.full.untyped_storage().resize_(self.nbytes)
-            self.count(self.nbytes)
-            # the values autograd saved come back: not a change it must detect (as FSDP2 does)
-            with torch.autograd._unsafe_preserve_version_counter(self.full):
-                self.flat.copy_out(self.gather_out, self.full)
-            self.count(-self.nbytes)
+            self._fill_full(lambda: self.flat.copy_out(self.gather_out, self.full))
+        self._gathered()
+
+    def _fill_full(self, fill: Any) -> None:
+        """Allocate `full`, ``fill()`` it, then the AllGather's output is freed."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.count(self.nbytes)
+        # the values autograd saved come back: not a change it must detect (as FSDP2 does)
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            fill()
+        self.count(-self.out_bytes)
+
+    def _gathered(self) -> None:
         self.gather_out = self.gather_in = None
+        self.out_bytes = 0
         self.gathered = True
         self.full_version = self.full._version  # moves only when the user writes into the parameters
+
+    def _finish_quantized(self) -> None:
+        """The int8 AllGather's output dequantized into the parameters, or, when the guard refuses
+        its figures (every rank alike), dropped and gathered again in full precision."""
+        self.quantized = False
+        n, wire = self.comm.world_size, self.wire
+        values, figures = wire.dequantize(self.gather_out.view(n, wire.nbytes))
+        if not self.guard.accept(figures):
+            del values
+            self.count(-self.out_bytes)
+            self.gather_out = self.gather_in = None
+            self.out_bytes = 0
+            self._start_full(self.comm, "/fallback")
+            self.finish_gather()
+            return
+        by_rank = self.flat.shard_numel
+
+        def fill() -> None:
+            if self.direct:
+                wire.unpad(values, self.full.view(n, by_rank))
+                return
+            rank_major = torch.empty(n, by_rank, dtype=self.compute_dtype, device=self.full.device)
+            wire.unpad(values, rank_major)
+            self.flat.copy_out(rank_major.view(-1), self.full)
+
+        self._fill_full(fill)
+        self._gathered()
 
     def generation(self) -> tuple[int, int]:
         """Changes whenever the shard's values change: writes through plain tensors bump its version
@@ -255,8 +328,9 @@ class UnitFlat:
             if wait:
                 self.gather_handle.wait()
             if self.gather_out is not self.full:
-                self.count(-self.nbytes)
+                self.count(-self.out_bytes)
         self.gather_handle = self.gather_out = self.gather_in = None
+        self.quantized, self.out_bytes = False, 0
         self._release_storage()
 
     def _release_storage(self) -> None:
@@ -349,6 +423,7 @@ class ShardedUnit:
         buffer_meter: GatherMeter | None = None,
         device: torch.device | None = None,
         broadcast: bool = False,
+        quantize: WireQuantization | None = None,
     ) -> None:
         self.name = name or "root"  # module path; "root" for the whole model
         self.module = module  # the wrapped module
@@ -358,7 +433,13 @@ class ShardedUnit:
         trainable = [(n, p) for n, p in params if p.requires_grad]
         _check_uniform(self.name, trainable)
         self.flats: list[UnitFlat] = []  # the trainable space first, then frozen ones by dtype
-        options = {"policy": policy, "device": device, "broadcast": broadcast, "mesh": mesh}
+        options = {
+            "policy": policy,
+            "device": device,
+            "broadcast": broadcast,
+            "mesh": mesh,
+            "quantize": quantize,
+        }
         groups = [(self.name, trainable, True)] if trainable else []
         for dtype, frozen in _by_dtype([(n, p) for n, p in params if not p.requires_grad]).items():
             suffix = "" if dtype is None else f"-{str(dtype).split('.')[-1]}"
@@ -384,6 +465,11 @@ class ShardedUnit:
         self.forward_versions: list[int] | None = None  # the shards' versions its last forward saw
         self.meter = meter  # shared gathered-bytes count
         self.buffer_meter = buffer_meter  # gradient buffers of the model's units alive, now and at most
+        self.wire: BlockLayout | None = None  # int8 gradient reductions ([Note: quantized communication])
+        if quantize is not None and quantize.grads and comm.world_size > 1 and self.trainable is not None:
+            self.wire = BlockLayout(self.trainable.flat.chunks, quantize.block)
+            self.guard = quantize.guard_for(f"gradients of unit {self.name!r}", lambda: comm.ledger.step)
+        self.reduce_packed: Tensor | None = None  # an int8 reduction's received chunks (1D, N x packed)
         for flat in self.flats:
             flat.count = self._count
         self._swap(sharded=True)
@@ -576,6 +662,16 @@ class ShardedUnit:
         self.reduce_in = buffer
         self.reduce_out = torch.empty(space.flat.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
+        if self.wire is not None and self.guard.quantize_now():
+            measure = self.guard.threshold is not None
+            packed, figures = self.wire.quantize(buffer.view(self.comm.world_size, -1), measure=measure)
+            self.wire.set_figures(packed, figures.max())  # the worst of all it sends: see the guard
+            self.reduce_packed = torch.empty_like(packed).view(-1)
+            self._count_buffer(2 * packed.numel())
+            self.reduce_handle = self.comm.all_to_all(
+                self.reduce_packed, packed.view(-1), name=name + "/int8"
+            )
+            return
         self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name, scratch_input=True)
 
     def _count_buffer(self, nbytes: int) -> None:
@@ -588,6 +684,8 @@ class ShardedUnit:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
+        if self.reduce_packed is not None:
+            self._sum_quantized()
         out = self.reduce_out
         if self.comm.replicate is not None:  # hybrid: the group's shard summed over the replicas
             name = f"{self.label}/all_reduce/unit={self.name}/replicas"
@@ -600,6 +698,22 @@ class ShardedUnit:
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
+    def _sum_quantized(self) -> None:
+        """This rank's chunks from every rank, dequantized and summed in fp32 into the output; or,
+        when the guard refuses the senders' figures (every rank alike), reduced again in full
+        precision from the input, which the int8 path left as it was."""
+        n, wire = self.comm.world_size, self.wire
+        received, self.reduce_packed = self.reduce_packed, None
+        self._count_buffer(-2 * received.numel())
+        values, figures = wire.dequantize(received.view(n, wire.nbytes))
+        if self.guard.accept(figures):
+            wire.unpad(values.sum(dim=0, keepdim=True), self.reduce_out.view(1, -1))
+            return
+        name = f"{self.label}/reduce_scatter/unit={self.name}/fallback"
+        self.comm.reduce_scatter(
+            self.reduce_out, self.reduce_in, name=name, scratch_input=True, async_op=False
+        )
+
     def drop_unused(self, used: list[bool]) -> None:
         """After the reduction: a parameter no rank used in this backward, and that had no gradient
         from earlier in the window, keeps ``.grad = None`` (the optimizer skips it)."""
@@ -610,7 +724,9 @@ class ShardedUnit:
     def drop_reduce(self) -> None:
         """Abort: forget a finished ReduceScatter without adding it into the gradients."""
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
-        self.reduce_handle = self.reduce_in = self.reduce_out = None
+        if self.reduce_packed is not None:
+            self._count_buffer(-2 * self.reduce_packed.numel())
+        self.reduce_handle = self.reduce_in = self.reduce_out = self.reduce_packed = None
 
     def drop_grad_buffer(self) -> None:
         """Abort: the gradients of a backward that raised are dropped."""

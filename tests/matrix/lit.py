@@ -31,6 +31,7 @@ class Case(NamedTuple):
     compile: str = (
         "none"  # torch.compile (aot_eager): none | blocks (each) | net | module (the LightningModule)
     )
+    quantize: bool = False  # stage 3: int8 weights and gradients on the wire (docs/quantized.md)
 
     @property
     def name(self) -> str:
@@ -41,6 +42,7 @@ class Case(NamedTuple):
         parts += [k for k in ("frozen", "unused") if getattr(self, k)]
         parts += [self.optimizer] if self.optimizer != "sgd" else []
         parts += [f"compile-{self.compile}"] if self.compile != "none" else []
+        parts += ["int8"] if self.quantize else []
         return "-".join(parts)
 
 

@@ -55,6 +55,8 @@ def _strategy(run: Run) -> Any:
     options: dict[str, Any] = {"find_unused_parameters": case.unused}
     if run.stage == 3:
         options.update(wrap_policy=BLOCK, prefetch=case.prefetch)
+    if run.stage == 3 and case.quantize:  # blocks of 32: the tiny parameters are a few blocks each
+        options.update(quantize_weights=True, quantize_grads=True, quantize_block=32)
     return ZeroStrategy(stage=run.stage, **options)
 
 

@@ -1,0 +1,216 @@
+"""Block-wise int8 on the wire: stage 3's weight all-gathers and gradient reductions, guarded.
+
+[Note: quantized communication]
+With ``quantize_weights`` a unit's all-gather sends int8 values instead of the parameters' dtype,
+and with ``quantize_grads`` its gradient reduction does; everything else stays in full precision:
+the shard (fp32 masters under bf16) is the only copy of the values and what the optimizer steps,
+the gradients are accumulated and stepped in the shard's dtype, and checkpoints hold full values.
+
+The wire format of one chunk (a rank's shard of a unit, or the part of a gradient bound for one
+rank) is a :class:`BlockLayout`: each parameter's rows are cut into blocks of ``block`` elements,
+the last block of a parameter padded with zeros, so that no block mixes two parameters (a
+LayerNorm weight near 1 next to a linear weight near 0.02 would round the small one to zero).
+A block is sent as int8 values and one fp32 scale (its largest magnitude over 127, round to
+nearest), and each chunk ends with one fp32 figure, the sender's measure of what the rounding
+lost (:meth:`BlockLayout.quantize`). Bytes per element: 1 + 4 / block (+ 4 per chunk) instead of 4
+(fp32) or 2 (bf16).
+
+Weights: every rank sends its quantized shard, and every rank, itself included, computes with the
+dequantized values of all of them, so the model every rank runs is the same.
+
+Gradients: a reduce-scatter would sum partial sums that each hop quantizes again; instead each
+rank quantizes the chunk bound for rank r once, an all-to-all delivers them, and rank r sums the N
+dequantized chunks in fp32 (what DeepSpeed's ZeRO++ does for its gradients). Each value is rounded
+exactly once, so the error of a sum is that of N independent roundings, not of N - 1 stacked ones.
+No error feedback: it would keep a residual of the whole gradient on every rank (Ψ elements, the
+memory stage 3 exists to save), and with each value rounded once the error is already unbiased
+to first order. The ledger records it as the reduce-scatter it stands for, with the packed bytes.
+
+[Note: the accuracy guard]
+A block whose scale is set by a few outliers rounds its other values to zero. Each sender
+measures, for every block, the share of its nonzero values that rounded to zero (counted against
+at least a quarter of a block, so that a short parameter's tail cannot alarm), and sends the
+worst block's share as its figure (for gradients, the worst over all the chunks it sends, so
+every receiver gets the same N figures). Every rank reads the same N figures after the
+collective, so every rank takes the same decision without another collective: when the largest
+passes ``quantize_guard``, the unit's quantized result is dropped, the same collective runs again
+in full precision (named ``.../fallback`` in the ledger), and the unit's weights (or gradients)
+go in full precision for the next ``quantize_fallback_steps`` steps before trying again; a
+warning names the unit and the figure. Healthy weights and gradients lose about 1% of a block to
+rounding (a Gaussian block: values below 1/254 of its largest); a value 1000 times its block's
+typical one loses nearly all of it. On a GPU, reading the figures waits for the collective on the
+host (one sync per unit gather or reduction); ``quantize_guard=None`` turns the guard off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+LEVELS = 127.0  # int8 values in [-127, 127]: symmetric, so that zero stays exactly zero
+_F32 = 4  # bytes of a scale and of the figure
+
+
+@dataclass(frozen=True)
+class WireQuantization:
+    """What a stage-3 model quantizes on the wire, and its guard (the ``quantize_*`` options)."""
+
+    weights: bool
+    grads: bool
+    block: int = 256
+    guard: float | None = 0.5
+    fallback_steps: int = 100
+
+    @classmethod
+    def of(cls, config: Any) -> WireQuantization | None:
+        """From a ZeroConfig; None when it quantizes nothing."""
+        if not (config.quantize_weights or config.quantize_grads):
+            return None
+        return cls(
+            config.quantize_weights,
+            config.quantize_grads,
+            config.quantize_block,
+            config.quantize_guard,
+            config.quantize_fallback_steps,
+        )
+
+    def guard_for(self, what: str, clock: Callable[[], int]) -> WireGuard:
+        return WireGuard(what, self.guard, self.fallback_steps, clock)
+
+
+class BlockLayout:
+    """How one chunk, laid out as consecutive segments (a unit's parameters, each its rows), is cut
+    into int8 blocks of ``block`` elements, each segment's last block padded with zeros.
+
+    Args:
+        lengths: the segments' lengths, in the chunk's order (their sum: the chunk's elements).
+        block: elements per block (one fp32 scale each).
+    """
+
+    def __init__(self, lengths: Sequence[int], block: int) -> None:
+        self.block = block
+        self.numel = sum(lengths)  # elements of a chunk
+        self.pieces: list[tuple[int, int, int]] = []  # (start in the chunk, length, start padded)
+        padded = 0
+        for start, length in zip(_starts(lengths), lengths):
+            if length:
+                self.pieces.append((start, length, padded))
+                padded += -(-length // block) * block
+        self.padded = padded  # elements of a chunk in blocks
+        self.blocks = padded // block
+        self.aligned = padded == self.numel  # every segment a whole number of blocks: no padding
+        self.scales_at = padded  # byte offset of the scales in a packed chunk
+        self.figure_at = padded + _F32 * self.blocks  # byte offset of the figure
+        self.nbytes = self.figure_at + _F32  # bytes of one packed chunk
+
+    def quantize(self, chunks: Tensor, *, measure: bool = True) -> tuple[Tensor, Tensor]:
+        """``chunks`` (M, numel, floating point) as packed int8 chunks (M, nbytes; uint8), and each
+        chunk's figure (M,): the largest share, over its blocks, of nonzero values rounded to zero
+        (of at least a quarter block's worth: a bias of three values, one of them near zero, is no
+        sign of trouble); zeros when not ``measure``. The figure slot of each packed chunk is left
+        for :meth:`set_figures`."""
+        m = chunks.shape[0]
+        blocks = self._padded(chunks).view(m, self.blocks, self.block)  # fp32, a copy of its own
+        magnitude = blocks.abs()
+        scale = magnitude.amax(dim=2).div_(LEVELS)  # (M, blocks): 0 for a block of zeros
+        inverse = torch.where(scale > 0, scale.reciprocal(), 0.0).unsqueeze(2)
+        rounded = blocks.mul_(inverse).round_()  # in [-127, 127]: |x| / max|x| * 127 rounds to <= 127
+        figure = torch.zeros(m, dtype=torch.float32, device=chunks.device)
+        if measure:
+            zeros = (magnitude == 0).sum(dim=2)  # zero before rounding (padding included)
+            lost = (rounded == 0).sum(dim=2) - zeros
+            figure = (lost / (self.block - zeros).clamp_min(self.block // 4)).amax(dim=1).float()
+        del magnitude
+        packed = torch.empty(m, self.nbytes, dtype=torch.uint8, device=chunks.device)
+        packed[:, : self.padded].view(torch.int8).copy_(rounded.view(m, self.padded))
+        packed[:, self.scales_at : self.figure_at].view(torch.float32).copy_(scale)
+        return packed, figure
+
+    def set_figures(self, packed: Tensor, figures: Tensor) -> None:
+        """Write each chunk's figure (M,) or one figure for all into the packed chunks."""
+        packed[:, self.figure_at :].view(torch.float32).copy_(
+            figures.reshape(-1, 1).expand(packed.shape[0], 1)
+        )
+
+    def dequantize(self, packed: Tensor) -> tuple[Tensor, Tensor]:
+        """Packed chunks (M, nbytes) as fp32 values (M, padded) and their senders' figures (M,)."""
+        m = packed.shape[0]
+        values = packed[:, : self.padded].view(torch.int8).view(m, self.blocks, self.block).to(torch.float32)
+        values.mul_(packed[:, self.scales_at : self.figure_at].view(torch.float32).unsqueeze(2))
+        figures = packed[:, self.figure_at :].view(torch.float32).reshape(m)
+        return values.view(m, self.padded), figures
+
+    def unpad(self, values: Tensor, out: Tensor) -> None:
+        """Values in blocks (M, padded) into chunks (M, numel), cast to ``out``'s dtype."""
+        if self.aligned:
+            out.copy_(values)
+            return
+        for start, length, at in self.pieces:
+            out[:, start : start + length].copy_(values[:, at : at + length])
+
+    def _padded(self, chunks: Tensor) -> Tensor:
+        """``chunks`` (M, numel) in blocks (M, padded), fp32; a copy (the caller keeps its values)."""
+        if self.aligned:
+            return chunks.to(torch.float32, copy=True)
+        out = torch.zeros(chunks.shape[0], self.padded, dtype=torch.float32, device=chunks.device)
+        for start, length, at in self.pieces:
+            out[:, at : at + length].copy_(chunks[:, start : start + length])
+        return out
+
+
+class WireGuard:
+    """One unit's guard for one kind of traffic (weights or gradients): whether to quantize now, and
+    the check of the figures every rank received (see [Note: the accuracy guard]).
+
+    Args:
+        what: named in the warning ("weights of unit 'blocks.0'").
+        threshold: the largest figure accepted; None: every figure is (the guard is off).
+        fallback_steps: after a figure above it, full precision for this many steps.
+        clock: the current step (every rank's the same).
+    """
+
+    def __init__(
+        self, what: str, threshold: float | None, fallback_steps: int, clock: Callable[[], int]
+    ) -> None:
+        self.what = what
+        self.threshold = threshold
+        self.fallback_steps = fallback_steps
+        self.clock = clock
+        self.until = -1  # full precision while the step is below this
+        self.fallbacks = 0  # times the figures failed the threshold
+        self.last = 0.0  # the largest figure of the latest quantized collective
+
+    def quantize_now(self) -> bool:
+        return self.clock() >= self.until
+
+    def accept(self, figures: Tensor) -> bool:
+        """After a quantized collective: its result may be used (else: fall back, warned)."""
+        self.last = float(figures.max())  # the same on every rank: every rank received these
+        if self.threshold is None or self.last <= self.threshold:
+            return True
+        self.fallbacks += 1
+        self.until = self.clock() + self.fallback_steps
+        log.warning(
+            "quantized communication: the %s lost %.0f%% of a block's nonzero values to int8 rounding "
+            "(quantize_guard=%s); sent again in full precision, and in full precision until step %d",
+            self.what,
+            100 * self.last,
+            self.threshold,
+            self.until,
+        )
+        return False
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    return starts
