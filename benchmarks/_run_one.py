@@ -81,6 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="STEPS",
         help="every rank records its resident set size every STEPS optimizer steps (0: not sampled)",
     )
+    p.add_argument(
+        "--validate", action="store_true", help="after fit, the validation loss over the held-out split"
+    )
+    p.add_argument(
+        "--outliers",
+        action="store_true",
+        help="before fit, 3 weights of blocks[1]'s first MLP layer set to 1e4 times its mean magnitude (the guard's test)",
+    )
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -288,11 +296,31 @@ def model_state(trainer: L.Trainer) -> dict[str, Any]:
             "memory_report": report._asdict(),
             "memory_source": "memory_report",
             "last_step_comm": comm,
+            "fallbacks": fallbacks(strategy),
             **units_and_buckets(strategy),
         }
     params = list(trainer.model.parameters())
     report = measure(trainer.model, [p.grad for p in params if p.grad is not None], trainer.optimizers)
     return {"memory_report": report._asdict(), "memory_source": "measure", "last_step_comm": None}
+
+
+def validation_loss(model: L.LightningModule, data: L.LightningDataModule, root: str) -> float:
+    """The fitted weights' loss over the held-out split, in this (the launching) process on one
+    device: the launcher has copied rank 0's weights back into ``model``."""
+    trainer = quiet_trainer("auto", root, devices=1)
+    return float(trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
+
+
+def fallbacks(strategy: Any) -> dict[str, int]:
+    """Stage 3 with int8 on the wire: per unit and kind, how often the accuracy guard fell back."""
+    zero3 = getattr(strategy._run.state_engine, "zero3", None)
+    out: dict[str, int] = {}
+    for unit in zero3.units if zero3 is not None else ():
+        if unit.trainable is not None and unit.trainable.wire is not None:
+            out[f"{unit.name}/weights"] = unit.trainable.guard.fallbacks
+        if unit.wire is not None:
+            out[f"{unit.name}/grads"] = unit.guard.fallbacks
+    return out
 
 
 def units_and_buckets(strategy: Any) -> dict[str, int | None]:
@@ -332,6 +360,10 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
     )
     model = GPTLightning(vocab_size=data.vocab_size, **cfg)
+    if args.outliers:
+        with torch.no_grad():
+            weight = model.model.blocks[1].mlp.c_fc.weight
+            weight[0, :3] = 1e4 * weight.abs().mean()
     if args.guard == "off":
         guard_off()
     timer = StepTimer(args.out, args.rss_every)
@@ -352,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         trainer.fit(model, datamodule=data)
         fit_s = time.perf_counter() - start
+        val_loss = validation_loss(model, data, root) if args.validate else None
     num_params = sum(p.numel() for p in model.parameters())
     meta = {
         "strategy": args.strategy,
@@ -368,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         "seed": args.seed,
         "guard": args.guard,
         "fit_s": fit_s,
+        "val_loss": val_loss,
+        "outliers": args.outliers,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     merge_rank_files(args.out, args.devices, meta)

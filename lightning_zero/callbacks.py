@@ -14,6 +14,8 @@ step number the strategy's ledger uses (0 for the first optimizer step):
     zero/mem_params_bytes, zero/mem_optim_bytes                after the optimizer step
     zero/mem_grads_bytes                                       just before the optimizer step
     zero/mem_gathered_bytes                                    stage 3: units gathered into backward
+    zero/int8_fallbacks                                        stage 3 with int8 on the wire: times
+                                                              the accuracy guard fell back so far
     zero/step_time_s, zero/step_time_max_over_min              wall clock, over ranks
     zero/busy_time_max_s, zero/busy_time_min_s, zero/busy_time_max_over_min
     zero/loss_scale, zero/skipped_steps                        fp16 loss scaling: the scale after
@@ -74,7 +76,13 @@ from lightning_zero.comm import CommLedger
 from lightning_zero.comm.ledger import OpTotals, timing_of, wire_bytes
 from lightning_zero.comm.timing import CUDA_EVENTS
 from lightning_zero.memory import MemoryReport
-from lightning_zero.planning import MemoryEstimate, model_state_memory, optimizer_k, step_traffic
+from lightning_zero.planning import (
+    MemoryEstimate,
+    int8_wire_bytes,
+    model_state_memory,
+    optimizer_k,
+    step_traffic,
+)
 from lightning_zero.precision import ZeroGradScaler
 from lightning_zero.strategy import ZeroStrategy
 
@@ -110,6 +118,8 @@ class RunShape(NamedTuple):
     accumulate_unsharded: bool  # stages 2-3: one reduce-scatter per window instead of per micro-batch
     layout: FlatLayout
     found_inf: bool = False  # fp16 loss scaling: one 4-byte AllReduce of the overflow flags per step
+    wire_param_bytes: float | None = None  # bytes per gathered element on the wire; None: param_bytes
+    wire_grad_bytes: float | None = None  # bytes per reduced element on the wire; None: grad_bytes
 
 
 class OpBytes(NamedTuple):
@@ -166,7 +176,9 @@ def optimizer_state_k(
 
 def _volumes(shape: RunShape, psi: float, stage: int, groups: int | None = None) -> tuple[Any, Any]:
     """(wire, payload) Traffic of the planner for ``psi`` elements; payload is the large-N limit."""
-    kwargs = dict(param_bytes=shape.param_bytes, grad_bytes=shape.grad_bytes, groups=groups)
+    param_bytes = shape.param_bytes if shape.wire_param_bytes is None else shape.wire_param_bytes
+    grad_bytes = shape.grad_bytes if shape.wire_grad_bytes is None else shape.wire_grad_bytes
+    kwargs = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, groups=groups)
     return step_traffic(psi, shape.world_size, stage, **kwargs), step_traffic(psi, None, stage, **kwargs)
 
 
@@ -233,6 +245,7 @@ class StepSample(NamedTuple):
     gathered: int  # bytes of parameters held beyond the resting ones when backward starts
     times: Tensor  # (N, 2): per rank, wall-clock and busy seconds of the step
     timing: str | None = None  # how the waits were timed: "wall-clock", "cuda-events"; None: no wait
+    int8_fallbacks: int | None = None  # stage 3 with int8 on the wire: the guard's fallbacks so far
 
 
 def traffic_of(records: Sequence[Any]) -> dict[str, OpTotals]:
@@ -278,6 +291,8 @@ def step_metrics(sample: StepSample) -> dict[str, float]:
         metrics["mem_grads_bytes"] = float(sample.memory.gradients)
         metrics["mem_optim_bytes"] = float(sample.memory.optimizer_states)
         metrics["mem_gathered_bytes"] = float(sample.gathered)
+    if sample.int8_fallbacks is not None:
+        metrics["int8_fallbacks"] = float(sample.int8_fallbacks)
     return {PREFIX + name: value for name, value in metrics.items()}
 
 
@@ -457,7 +472,10 @@ class ZeroMonitor(Callback):
         gathered = max(self._forward_params - report.parameters, 0)
         self._shape = run_shape(trainer, zero)
         traffic, waits, timing = traffic_of(window.records), dict(window.waits), timing_of(window.timed)
-        return StepSample(window.step, traffic, waits, memory, gathered, times, timing)
+        zero3 = getattr(zero.engine, "zero3", None)
+        quantized = zero3 is not None and (zero.config.quantize_weights or zero.config.quantize_grads)
+        fallbacks = zero3.quantize_fallbacks() if quantized else None
+        return StepSample(window.step, traffic, waits, memory, gathered, times, timing, fallbacks)
 
     def _remember(self, sample: StepSample) -> None:
         self._last = sample
@@ -501,6 +519,8 @@ def run_shape(trainer: pl.Trainer, zero: ZeroStrategy) -> RunShape:
         accumulate_unsharded=config.accumulate_unsharded,
         layout=layout,
         found_inf=isinstance(getattr(trainer.precision_plugin, "scaler", None), ZeroGradScaler),
+        wire_param_bytes=int8_wire_bytes(config.quantize_block) if config.quantize_weights else None,
+        wire_grad_bytes=int8_wire_bytes(config.quantize_block) if config.quantize_grads else None,
     )
 
 

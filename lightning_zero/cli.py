@@ -177,6 +177,11 @@ def _add_hardware_arguments(p: argparse.ArgumentParser) -> None:
         "--bucket-caps", type=_caps, default=comm.DEFAULT_CAPS_MB, help="caps to sweep, MiB: 1,5,25"
     )
     hw.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="cap of the first bucket, MiB (1)")
+    hw.add_argument(
+        "--quantize-weights", action="store_true", help="stage 3: int8 all-gathers (docs/quantized.md)"
+    )
+    hw.add_argument("--quantize-grads", action="store_true", help="stage 3: int8 gradient reductions")
+    hw.add_argument("--quantize-block", type=int, default=256, help="elements per int8 block (256)")
 
 
 def _add_hybrid_arguments(p: argparse.ArgumentParser) -> None:
@@ -246,6 +251,7 @@ class PlanInputs(NamedTuple):
     alpha: float  # s per collective
     experts: int  # MoE E
     top_k: int  # MoE k
+    int8: dict[str, float] | None = None  # stage 3 with int8 on the wire: its param_bytes / grad_bytes
 
 
 def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
@@ -278,6 +284,7 @@ def _plan_inputs(args: argparse.Namespace) -> PlanInputs:
         alpha=args.alpha,
         experts=args.experts,
         top_k=args.top_k,
+        int8=_int8_bytes(args, dict(param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)),
     )
 
 
@@ -388,24 +395,31 @@ def _memory_section(inp: PlanInputs) -> Section:
     return Section("memory", title, ("N", *_STAGE_NAMES, f"fits {mem}"), rows, data)
 
 
+def _int8_bytes(args: argparse.Namespace, plain: dict[str, float]) -> dict[str, float] | None:
+    """The wire bytes per element of stage 3 with ``--quantize-weights`` / ``--quantize-grads``."""
+    if not (args.quantize_weights or args.quantize_grads):
+        return None
+    int8 = comm.int8_wire_bytes(args.quantize_block)
+    return {
+        "param_bytes": int8 if args.quantize_weights else plain["param_bytes"],
+        "grad_bytes": int8 if args.quantize_grads else plain["grad_bytes"],
+    }
+
+
 def _traffic_section(inp: PlanInputs) -> Section:
     rows, data = [], []
+    plain = {k: inp.memory_options[k] for k in ("param_bytes", "grad_bytes")}
+    variants = [(stage, _STAGE_NAMES[stage], plain) for stage in memory.STAGES]
+    if inp.int8 is not None:
+        variants.append((3, f"{_STAGE_NAMES[3]}, int8", inp.int8))
     for n in inp.world_sizes:
         bw = _bandwidth(inp, n)
-        for stage in memory.STAGES:
-            t = comm.step_traffic(
-                inp.psi,
-                n,
-                stage,
-                param_bytes=inp.memory_options["param_bytes"],
-                grad_bytes=inp.memory_options["grad_bytes"],
-            )
+        for stage, name, wire in variants:
+            t = comm.step_traffic(inp.psi, n, stage, **wire)
             seconds = comm.traffic_time(t, bw, alpha=inp.alpha) if bw else None
             volumes = (t.all_reduce, t.reduce_scatter, t.all_gather, t.total)
-            rows.append(
-                (str(n), _STAGE_NAMES[stage], *(f"{v / memory.GB:.4g}" for v in volumes), _ms(seconds))
-            )
-            data.append({**t._asdict(), "time_s": seconds, "bandwidth": bw})
+            rows.append((str(n), name, *(f"{v / memory.GB:.4g}" for v in volumes), _ms(seconds)))
+            data.append({**t._asdict(), "time_s": seconds, "bandwidth": bw, "int8": name.endswith("int8")})
     headers = ("N", "stage", "AllReduce GB", "ReduceScatter GB", "AllGather GB", "total GB", "time ms")
     note = "bytes one rank sends per step, ring algorithm; time = bytes / W + alpha x collectives, not overlapped"
     return Section("traffic", "Communication per rank per step", headers, rows, data, (note,))

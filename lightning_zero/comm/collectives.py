@@ -162,6 +162,7 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
         self.group = group  # torch ProcessGroup or None for WORLD
         self.world_size = dist.get_world_size(group) if is_distributed() else 1  # N
         self.rank = dist.get_rank(group) if is_distributed() else 0  # this rank within the group
+        self.global_rank = dist.get_rank() if is_distributed() else 0  # this rank in the world
         self.me = dist.get_rank() if is_distributed() else 0  # this rank in the world (faults, board)
         self.shared = shared if shared is not None else Shared(ledger or CommLedger(), self.me)
         self.members = (  # the world ranks of the group, in group order

@@ -27,19 +27,21 @@ memory stage 3 exists to save), and with each value rounded once the error is al
 to first order. The ledger records it as the reduce-scatter it stands for, with the packed bytes.
 
 [Note: the accuracy guard]
-A block whose scale is set by a few outliers rounds its other values to zero. Each sender
-measures, for every block, the share of its nonzero values that rounded to zero (counted against
-at least a quarter of a block, so that a short parameter's tail cannot alarm), and sends the
-worst block's share as its figure (for gradients, the worst over all the chunks it sends, so
-every receiver gets the same N figures). Every rank reads the same N figures after the
-collective, so every rank takes the same decision without another collective: when the largest
-passes ``quantize_guard``, the unit's quantized result is dropped, the same collective runs again
-in full precision (named ``.../fallback`` in the ledger), and the unit's weights (or gradients)
-go in full precision for the next ``quantize_fallback_steps`` steps before trying again; a
-warning names the unit and the figure. Healthy weights and gradients lose about 1% of a block to
-rounding (a Gaussian block: values below 1/254 of its largest); a value 1000 times its block's
-typical one loses nearly all of it. On a GPU, reading the figures waits for the collective on the
-host (one sync per unit gather or reduction); ``quantize_guard=None`` turns the guard off.
+A block whose scale is set by a few outliers rounds its other values to zero. What marks the harm
+is not that small values vanish (a packed attention bias whose key part stays near 1e-9 while the
+rest moves by 4e-5 loses the key part to rounding, harmlessly) but that values which a typical
+block of the same chunk would keep do: a value counts as lost when it rounds to zero and is at
+least half the chunk's median quantization step. Each sender sends the worst block's share of
+lost values (against at least a quarter of a block, so that a short parameter's tail cannot alarm)
+as its figure; for gradients, the worst over all the chunks it sends, so every receiver gets the
+same N figures. Every rank reads the same N figures after the collective, so every rank takes the
+same decision without another collective: when the largest passes ``quantize_guard``, the unit's
+quantized result is dropped, the same collective runs again in full precision (named
+``.../fallback`` in the ledger), and the unit's weights (or gradients) go in full precision for the
+next ``quantize_fallback_steps`` steps before trying again; the world's rank 0 warns, naming the
+unit and the figure. Healthy weights and gradients score near 0; a value 1000 times its block's
+typical one makes its block score near 1. On a GPU, reading the figures waits for the collective
+on the host (one sync per unit gather or reduction); ``quantize_guard=None`` turns the guard off.
 """
 
 from __future__ import annotations
@@ -81,8 +83,12 @@ class WireQuantization:
             config.quantize_fallback_steps,
         )
 
-    def guard_for(self, what: str, clock: Callable[[], int]) -> WireGuard:
-        return WireGuard(what, self.guard, self.fallback_steps, clock)
+    def guard_for(self, what: str, comm: Any) -> WireGuard:
+        """A guard for one unit's traffic over ``comm`` (its ledger's step is the clock; the world's
+        rank 0 warns, since every rank decides alike)."""
+        return WireGuard(
+            what, self.guard, self.fallback_steps, lambda: comm.ledger.step, comm.global_rank == 0
+        )
 
 
 class BlockLayout:
@@ -112,10 +118,8 @@ class BlockLayout:
 
     def quantize(self, chunks: Tensor, *, measure: bool = True) -> tuple[Tensor, Tensor]:
         """``chunks`` (M, numel, floating point) as packed int8 chunks (M, nbytes; uint8), and each
-        chunk's figure (M,): the largest share, over its blocks, of nonzero values rounded to zero
-        (of at least a quarter block's worth: a bias of three values, one of them near zero, is no
-        sign of trouble); zeros when not ``measure``. The figure slot of each packed chunk is left
-        for :meth:`set_figures`."""
+        chunk's figure (M,, see :meth:`_figure`; zeros when not ``measure``). The figure slot of
+        each packed chunk is left for :meth:`set_figures`."""
         m = chunks.shape[0]
         blocks = self._padded(chunks).view(m, self.blocks, self.block)  # fp32, a copy of its own
         magnitude = blocks.abs()
@@ -124,14 +128,20 @@ class BlockLayout:
         rounded = blocks.mul_(inverse).round_()  # in [-127, 127]: |x| / max|x| * 127 rounds to <= 127
         figure = torch.zeros(m, dtype=torch.float32, device=chunks.device)
         if measure:
-            zeros = (magnitude == 0).sum(dim=2)  # zero before rounding (padding included)
-            lost = (rounded == 0).sum(dim=2) - zeros
-            figure = (lost / (self.block - zeros).clamp_min(self.block // 4)).amax(dim=1).float()
+            figure = self._figure(magnitude, rounded, scale)
         del magnitude
         packed = torch.empty(m, self.nbytes, dtype=torch.uint8, device=chunks.device)
         packed[:, : self.padded].view(torch.int8).copy_(rounded.view(m, self.padded))
         packed[:, self.scales_at : self.figure_at].view(torch.float32).copy_(scale)
         return packed, figure
+
+    def _figure(self, magnitude: Tensor, rounded: Tensor, scale: Tensor) -> Tensor:
+        """Per chunk (M,): the largest share, over its blocks, of values lost to their block's
+        scale that a typical block of the chunk would have kept (see [Note: the accuracy guard])."""
+        typical = scale.median(dim=1, keepdim=True).values.unsqueeze(2)  # (M, 1, 1): the median step
+        lost = ((rounded == 0) & (magnitude > typical / 2)).sum(dim=2)
+        nonzero = (magnitude != 0).sum(dim=2).clamp_min(self.block // 4)
+        return (lost / nonzero).amax(dim=1).float()
 
     def set_figures(self, packed: Tensor, figures: Tensor) -> None:
         """Write each chunk's figure (M,) or one figure for all into the packed chunks."""
@@ -174,11 +184,18 @@ class WireGuard:
         threshold: the largest figure accepted; None: every figure is (the guard is off).
         fallback_steps: after a figure above it, full precision for this many steps.
         clock: the current step (every rank's the same).
+        announce: this rank logs the warning (one rank does: they all decide alike).
     """
 
     def __init__(
-        self, what: str, threshold: float | None, fallback_steps: int, clock: Callable[[], int]
+        self,
+        what: str,
+        threshold: float | None,
+        fallback_steps: int,
+        clock: Callable[[], int],
+        announce: bool,
     ) -> None:
+        self.announce = announce
         self.what = what
         self.threshold = threshold
         self.fallback_steps = fallback_steps
@@ -197,6 +214,8 @@ class WireGuard:
             return True
         self.fallbacks += 1
         self.until = self.clock() + self.fallback_steps
+        if not self.announce:
+            return False
         log.warning(
             "quantized communication: the %s lost %.0f%% of a block's nonzero values to int8 rounding "
             "(quantize_guard=%s); sent again in full precision, and in full precision until step %d",

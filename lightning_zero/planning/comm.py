@@ -67,6 +67,15 @@ class Traffic(NamedTuple):
     collectives: int  # collective calls per step (buckets for stages 0-2, units for stage 3)
 
 
+def int8_wire_bytes(block: int = 256) -> float:
+    """Bytes per element that stage 3's int8 collectives send (``quantize_weights``,
+    ``quantize_grads``): one int8 value, plus one fp32 scale per ``block`` elements (the per-chunk
+    figure of the accuracy guard, 4 bytes per rank and collective, is left out)."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    return 1 + 4 / block
+
+
 def step_traffic(
     psi: float,
     world_size: int | None,

@@ -184,6 +184,13 @@ class ZeroThree:
         wire = self.units[0].reduce_dtype if self.units and self.units[0].reduce_dtype else torch.float32
         self.divide = gradient_divisors(wire, comm.mean_over)  # the mean: before and after the sum
 
+    def quantize_fallbacks(self) -> int:
+        """How often the accuracy guard of int8 communication fell back to full precision, over
+        every unit's weights and gradients (see [Note: the accuracy guard] in comm/quantize.py)."""
+        guards = [f.guard for u in self.units for f in u.flats if f.wire is not None]
+        guards += [u.guard for u in self.units if u.wire is not None]
+        return sum(g.fallbacks for g in guards)
+
     def _build_units(
         self, root: nn.Module, unit_modules: list, options: dict, initializer: Initializer | None
     ) -> list[ShardedUnit]:

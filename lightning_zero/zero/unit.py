@@ -175,7 +175,7 @@ class UnitFlat:
             and flat.shard.is_floating_point()
         ):
             self.wire = BlockLayout(flat.chunks, quantize.block)
-            self.guard = quantize.guard_for(f"weights of unit {name!r}", lambda: comm.ledger.step)
+            self.guard = quantize.guard_for(f"weights of unit {name!r}", comm)
         self.quantized = False  # the AllGather in flight sends int8 blocks
 
     @property
@@ -468,7 +468,7 @@ class ShardedUnit:
         self.wire: BlockLayout | None = None  # int8 gradient reductions ([Note: quantized communication])
         if quantize is not None and quantize.grads and comm.world_size > 1 and self.trainable is not None:
             self.wire = BlockLayout(self.trainable.flat.chunks, quantize.block)
-            self.guard = quantize.guard_for(f"gradients of unit {self.name!r}", lambda: comm.ledger.step)
+            self.guard = quantize.guard_for(f"gradients of unit {self.name!r}", comm)
         self.reduce_packed: Tensor | None = None  # an int8 reduction's received chunks (1D, N x packed)
         for flat in self.flats:
             flat.count = self._count

@@ -93,6 +93,8 @@ def _strategy(run: int | str, wrap: str):
         return "ddp"
     if run == "straggler":
         return ZeroStrategy(stage=0)
+    if run == "zero3-int8":
+        return ZeroStrategy(stage=3, wrap_policy=wrap, quantize_weights=True, quantize_grads=True)
     return ZeroStrategy(stage=run, wrap_policy=wrap) if run == 3 else ZeroStrategy(stage=run)
 
 
@@ -333,6 +335,29 @@ def test_monitor_gpt_matches_planner(tmp_path, world_size):
         rows = read_metrics(tmp_path, f"zero{stage}")
         check_traffic(rows, stage, world_size, psi, root, 1, clip=False, laid=laid)
         check_memory(rows, stage, world_size, psi, root, tensors, laid=laid)
+
+
+def test_monitor_logs_int8_bytes_and_the_guard(tmp_path):
+    """Stage 3 with int8 weights and gradients: the logged bytes are the packed ones (under a
+    quarter of fp32's and, on this small GPT, well over it: each parameter's rows are padded to
+    whole blocks of 256, which its LayerNorms and biases of 12 elements per rank fill a twentieth
+    of; tests/distributed/test_quantized.py checks the exact format) and the guard's fallback
+    count is logged (none on the healthy GPT)."""
+    run_ranks(
+        fit_all,
+        2,
+        str(tmp_path),
+        str(tmp_path),
+        [3, "zero3-int8"],
+        dict(model="gpt", accumulate=1, clip=None),
+    )
+    full, int8 = read_metrics(tmp_path, "zero3"), read_metrics(tmp_path, "zero3-int8")
+    assert len(full) == len(int8) == STEPS
+    for a, b in zip(full, int8):
+        assert b["zero/int8_fallbacks"] == 0 and "zero/int8_fallbacks" not in a
+        for op in ("all_gather", "reduce_scatter"):
+            assert a[f"zero/{op}_calls"] == b[f"zero/{op}_calls"]
+            assert 2.0 <= a[f"zero/{op}_bytes"] / b[f"zero/{op}_bytes"] <= 4.0
 
 
 @pytest.mark.slow

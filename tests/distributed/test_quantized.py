@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_zero.comm import Communicator
+from lightning_zero.comm.mesh import sharding_comm
 from lightning_zero.comm.quantize import BlockLayout
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engines import make_engine
@@ -31,7 +32,8 @@ def _train(rank: int, world: int, sc: dict) -> dict:
     broadcast_module_states(model, comm, label="t")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     config = ZeroConfig(stage=3, wrap_policy=BLOCK, quantize_block=Q_BLOCK, **sc.get("zero3", {}))
-    engine = make_engine(config, comm)
+    shards = sharding_comm(comm, config.shard_size, 3, num_nodes=2) if config.shard_size else comm
+    engine = make_engine(config, shards)
     wrapped = engine.setup(model, [optimizer])
     accumulate = sc.get("accumulate", 1)
     batches = models.global_batches(sc["micro_batches"], world)
@@ -134,14 +136,16 @@ def test_bytes_follow_the_wire_format_and_training_follows_full_precision(tmp_pa
 def test_guard_falls_back_for_the_unit_with_outliers(tmp_path):
     both = {"quantize_weights": True, "quantize_grads": True, "quantize_fallback_steps": 2}
     sc = {"micro_batches": 5, "outlier": True}
-    for r in run_ranks(_runs, 2, tmp_path, {"both": both, "full": {}}, sc):
+    for rank, r in enumerate(run_ranks(_runs, 2, tmp_path, {"both": both, "full": {}}, sc)):
         quantized, full = r["both"], r["full"]
         fallbacks = quantized["weight_fallbacks"]
         assert fallbacks["blocks.1"] >= 2  # tripped, then again when int8 was tried after 2 steps
         assert all(n == 0 for unit, n in fallbacks.items() if unit != "blocks.1")
         names = [x.name for x in quantized["ledger"] if x.name.endswith("/fallback")]
         assert names and all("unit=blocks.1/" in n for n in names)  # its gradients follow its weights
-        assert any("weights of unit 'blocks.1'" in m for m in quantized["warned"])
+        # the world's rank 0 says so, once per fallback (every rank decides alike)
+        warned = [m for m in quantized["warned"] if "weights of unit 'blocks.1'" in m]
+        assert len(warned) == (fallbacks["blocks.1"] if rank == 0 else 0)
         # the unit never computed with its rounded weights: the run follows full precision
         assert abs(quantized["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
 
@@ -153,3 +157,23 @@ def test_options_are_checked():
         ZeroConfig(stage=3, quantize_weights=True, quantize_block=100)
     with pytest.raises(ValueError, match="quantize_guard must be a share"):
         ZeroConfig(stage=3, quantize_weights=True, quantize_guard=2)
+
+
+def test_hybrid_sharding_quantizes_inside_the_shard_group(tmp_path):
+    """4 ranks posing as 2 nodes of 2, shard groups of 2: the int8 all-gathers and reductions run
+    in the group, inside a node; the replicas' all-reduce of each reduced shard stays in full
+    precision."""
+    variants = {"full": {"shard_size": 2}, "both": {"shard_size": 2, **VARIANTS["both"]}}
+    results = run_ranks(_runs, 4, tmp_path, variants, {"micro_batches": 4})
+    for r in results:
+        full, both = r["full"], r["both"]
+        packed = {u: 2 * BlockLayout(c, Q_BLOCK).nbytes for u, c in both["chunks"].items()}
+        gathers, reduces = _step_bytes(full, "all_gather"), _step_bytes(full, "reduce_scatter")
+        assert _step_bytes(both, "all_gather") == {u: (n, n * packed[u]) for u, (n, _) in gathers.items()}
+        assert _step_bytes(both, "reduce_scatter") == {u: (n, n * packed[u]) for u, (n, _) in reduces.items()}
+        assert _step_bytes(both, "all_reduce") == _step_bytes(full, "all_reduce") != {}
+        int8 = [x for x in both["ledger"] if x.name.endswith("/int8")]
+        assert int8 and all(x.group_size == 2 and x.link == "intra" for x in int8)
+        assert abs(both["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
+    for k, v in results[0]["both"]["params"].items():
+        assert all(torch.equal(v, other["both"]["params"][k]) for other in results[1:])

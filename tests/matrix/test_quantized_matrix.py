@@ -44,4 +44,7 @@ def test_quantized_fit_follows_full_precision(tmp_path, case):
         assert abs(q_loss - f_loss) <= 0.01 * abs(f_loss)
     assert quantized.dtypes == full.dtypes
     if case == SAVED:  # the checkpoint holds the full-precision optimizer state of the shards
-        assert quantized.optimizer is not None and quantized.optimizer["state"].keys() == full.optimizer["state"].keys()
+        assert (
+            quantized.optimizer is not None
+            and quantized.optimizer["state"].keys() == full.optimizer["state"].keys()
+        )

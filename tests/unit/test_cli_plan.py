@@ -59,6 +59,20 @@ def test_plan_json_memory_and_traffic(capsys):
     assert zero3["time_s"] is None  # no bandwidth given
 
 
+def test_plan_counts_stage_3_with_int8_on_the_wire(capsys):
+    data = run_json(capsys, "--params", "7.5e9", "-n", "64", "--quantize-weights", "--quantize-grads")
+    plain, int8 = data["traffic"][3], data["traffic"][4]
+    assert not plain["int8"] and int8["int8"] and int8["stage"] == 3
+    per_element = 1 + 4 / 256  # an int8 value, a fp32 scale per block of 256
+    assert int8["all_gather"] == pytest.approx(2 * 63 / 64 * 7.5e9 * per_element)
+    assert int8["reduce_scatter"] == pytest.approx(63 / 64 * 7.5e9 * per_element)
+    only_weights = run_json(
+        capsys, "--params", "7.5e9", "-n", "64", "--quantize-weights", "--quantize-block", "64"
+    )
+    assert only_weights["traffic"][4]["all_gather"] == pytest.approx(2 * 63 / 64 * 7.5e9 * (1 + 4 / 64))
+    assert only_weights["traffic"][4]["reduce_scatter"] == plain["reduce_scatter"]  # bf16 gradients, as given
+
+
 def test_plan_several_world_sizes_and_optimizer(capsys):
     data = run_json(
         capsys, "--params", "70B", "-n", "8", "64", "--optimizer", "sgd_momentum", "--memory", "80GB"
