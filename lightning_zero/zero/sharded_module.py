@@ -569,6 +569,7 @@ class ZeroThree:
             unit.gather(wait=False)
         for unit in self.units:
             unit.finish_gather()
+            unit.make_exact()
             unit.mark_for_write_back()
             unit.mirror_grads(True)  # .grad shows the last gradient, as the parameter's under DDP
             unit.held = True

@@ -177,6 +177,7 @@ class UnitFlat:
             self.wire = BlockLayout(flat.chunks, quantize.block)
             self.guard = quantize.guard_for(f"weights of unit {name!r}", comm)
         self.quantized = False  # the AllGather in flight sends int8 blocks
+        self.lossy = False  # the gathered values are the shards' int8 rounding
 
     @property
     def nbytes(self) -> int:
@@ -242,10 +243,11 @@ class UnitFlat:
             fill()
         self.count(-self.out_bytes)
 
-    def _gathered(self) -> None:
+    def _gathered(self, *, lossy: bool = False) -> None:
         self.gather_out = self.gather_in = None
         self.out_bytes = 0
         self.gathered = True
+        self.lossy = lossy
         self.full_version = self.full._version  # moves only when the user writes into the parameters
 
     def _finish_quantized(self) -> None:
@@ -273,7 +275,19 @@ class UnitFlat:
             self.flat.copy_out(rank_major.view(-1), self.full)
 
         self._fill_full(fill)
-        self._gathered()
+        self._gathered(lossy=True)
+
+    def make_exact(self) -> None:
+        """``gathered()``: the user reads and writes the weights themselves there, so values
+        gathered in int8 are gathered again in full precision (in place: autograd's saved views
+        stay valid)."""
+        self.finish_gather()
+        if not (self.gathered and self.lossy):
+            return
+        self.count(-self.nbytes)  # counted again as the exact gather fills `full`
+        self.gathered = False
+        self._start_full(self.comm, "/exact")
+        self.finish_gather()
 
     def generation(self) -> tuple[int, int]:
         """Changes whenever the shard's values change: writes through plain tensors bump its version
@@ -314,13 +328,29 @@ class UnitFlat:
         self._copy_rows_back()
 
     def _copy_rows_back(self) -> None:
+        """Element by element: a value the user did not change keeps the shard's own (an fp32
+        master under a bf16 gather, the exact value under an int8 one)."""
         flat = self.flat
         with torch.no_grad():
+            as_gathered = self._as_gathered()
             for i, (start, stop, offset) in enumerate(flat.slices):
                 held = self.full[flat.offsets[i] + offset : flat.offsets[i] + offset + stop - start]
                 mine = flat.shard[start:stop]
-                if not torch.equal(held, mine.to(held.dtype)):
-                    mine.copy_(held)
+                changed = held != as_gathered[start:stop]
+                if changed.any():
+                    mine.copy_(torch.where(changed, held.to(mine.dtype), mine))
+
+    def _as_gathered(self) -> Tensor:
+        """This rank's shard as its gather delivered it (1D, S, the compute dtype): cast, or
+        rounded to int8 and back the same way."""
+        shard = self.flat.shard.detach()
+        if not self.lossy:
+            return shard.to(self.compute_dtype)
+        packed, _ = self.wire.quantize(shard.view(1, -1), measure=False)
+        values, _ = self.wire.dequantize(packed)
+        out = torch.empty(1, shard.numel(), dtype=self.compute_dtype, device=shard.device)
+        self.wire.unpad(values, out)
+        return out.view(-1)
 
     def release(self, *, wait: bool) -> None:
         """Teardown: no gather left in flight (waited, unless after a failure)."""
@@ -518,6 +548,10 @@ class ShardedUnit:
             flat.finish_gather()
         if self.gathered and not self.in_use:
             self._swap(sharded=False)
+
+    def make_exact(self) -> None:
+        for flat in self.flats:
+            flat.make_exact()
 
     def mark_for_write_back(self) -> None:
         for flat in self.flats:

@@ -54,7 +54,9 @@ def _train(rank: int, world: int, sc: dict) -> dict:
                 step += 1
     comm.ledger.begin_step(-1)
     units = engine.zero3.units
+    probe = _probe_gathered(engine, model) if sc.get("probe") else None
     return {
+        "probe": probe,
         "params": {k: v.clone() for k, v in engine.module_state_dict(model).items()},
         "ledger": [r for r in comm.ledger.records if r.step >= 0],
         "losses": losses,
@@ -65,6 +67,17 @@ def _train(rank: int, world: int, sc: dict) -> dict:
         "grad_fallbacks": {u.name: u.guard.fallbacks for u in units if u.wire is not None},
         "warned": warned,
     }
+
+
+def _probe_gathered(engine, model) -> dict:
+    """The values before, read inside ``gathered()`` (one element changed there), and after."""
+    before = {k: v.clone() for k, v in engine.module_state_dict(model).items()}
+    with engine.gathered():
+        seen = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            model.blocks[0].fc1.weight[0, 0] += 1.0
+    after = {k: v.clone() for k, v in engine.module_state_dict(model).items()}
+    return {"before": before, "seen": seen, "after": after}
 
 
 @contextlib.contextmanager
@@ -131,6 +144,24 @@ def test_bytes_follow_the_wire_format_and_training_follows_full_precision(tmp_pa
                 assert err <= 0.05, (k, err.item())
     for k, v in results[0]["both"]["params"].items():
         assert torch.equal(v, results[1]["both"]["params"][k])
+
+
+def test_gathered_shows_and_keeps_the_exact_values(tmp_path):
+    """Inside ``gathered()`` the user reads the weights themselves, not their int8 rounding, and
+    what the user writes there reaches the full-precision shards element by element: the values
+    the user did not touch stay as they were (a unit gathered in int8 never writes its rounding
+    back)."""
+    sc = {"micro_batches": 2, "probe": True}
+    for r in run_ranks(_runs, 2, tmp_path, {"weights": {"quantize_weights": True}}, sc):
+        probe = r["weights"]["probe"]
+        before, seen, after = probe["before"], probe["seen"], probe["after"]
+        assert before.keys() == seen.keys() == after.keys()
+        for k, v in before.items():
+            assert torch.equal(seen[k], v), k
+            expected = v.clone()
+            if k == "blocks.0.fc1.weight":
+                expected[0, 0] += 1.0
+            assert torch.equal(after[k], expected), k
 
 
 def test_guard_falls_back_for_the_unit_with_outliers(tmp_path):
