@@ -182,6 +182,12 @@ def _add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     )
     hw.add_argument("--quantize-grads", action="store_true", help="stage 3: int8 gradient reductions")
     hw.add_argument("--quantize-block", type=int, default=256, help="elements per int8 block (256)")
+    hw.add_argument(
+        "--secondary-shard-size",
+        type=_shard_size,
+        help="stage 3's secondary shards (hpZ): s ranks or 'node'; a table of the backward all-gathers "
+        "moved inside the group, with the memory they cost (needs the ranks per node)",
+    )
 
 
 def _add_hybrid_arguments(p: argparse.ArgumentParser) -> None:
@@ -327,25 +333,77 @@ class HybridInputs(NamedTuple):
 def _hybrid_inputs(args: argparse.Namespace, inp: PlanInputs) -> HybridInputs | None:
     if args.shard_size is None:
         given = [name for name in _HYBRID_ONLY if getattr(args, name) is not None]
-        if given:
+        if given and args.secondary_shard_size is None:
             raise ValueError(
                 f"--{given[0].replace('_', '-')} belongs to hybrid sharding: add --shard-size K or auto"
             )
         return None
+    ranks_per_node, intra, inter = _node_links(args, inp, "--shard-size")
+    if args.shard_size == hybrid.AUTO:
+        _check_auto(args, inp, intra, inter)
+    stages = tuple(dict.fromkeys(args.stage)) if args.stage else (1, 2, 3)
+    return HybridInputs(args.shard_size, ranks_per_node, stages, args.groups, intra, inter)
+
+
+def _node_links(
+    args: argparse.Namespace, inp: PlanInputs, option: str
+) -> tuple[int, Link | None, Link | None]:
+    """G and the two links (None where not given) of the hybrid and secondary-shard tables."""
     hw = inp.hardware
     ranks_per_node = args.ranks_per_node or (hw.gpus_per_node if hw else None)
     if ranks_per_node is None:
-        raise ValueError("--shard-size needs the ranks per node: --ranks-per-node G, or --hardware")
+        raise ValueError(f"{option} needs the ranks per node: --ranks-per-node G, or --hardware")
     if args.groups is not None and args.groups < 1:
         raise ValueError(f"--groups must be >= 1, got {args.groups}")
     intra_bw = args.intra_bandwidth or (hw.link_bw if hw else None)
     inter_bw = args.inter_bandwidth or (hw.node_bw / hw.gpus_per_node if hw and hw.node_bw else None)
     intra = None if intra_bw is None else Link(_or(args.intra_alpha, args.alpha), intra_bw)
     inter = None if inter_bw is None else Link(_or(args.inter_alpha, args.alpha), inter_bw)
-    if args.shard_size == hybrid.AUTO:
-        _check_auto(args, inp, intra, inter)
-    stages = tuple(dict.fromkeys(args.stage)) if args.stage else (1, 2, 3)
-    return HybridInputs(args.shard_size, ranks_per_node, stages, args.groups, intra, inter)
+    return ranks_per_node, intra, inter
+
+
+def _secondary_section(inp: PlanInputs, args: argparse.Namespace) -> Section:
+    """Stage 3 over all N ranks, without and with secondary shards (and int8 forward gathers when
+    asked): bytes per link, the memory the copies cost at the end of forward, the time."""
+    g, intra, inter = _node_links(args, inp, "--secondary-shard-size")
+    p, grads = inp.memory_options["param_bytes"], inp.memory_options["grad_bytes"]
+    wire = inp.int8 or {"param_bytes": p, "grad_bytes": grads}
+    rows, data = [], []
+    for n in inp.world_sizes:
+        s = min(g, n) if args.secondary_shard_size == hybrid.NODE else args.secondary_shard_size
+        if n % s or (g % s and s % g):
+            raise ValueError(
+                f"--secondary-shard-size {s} must divide N = {n} and divide G = {g} or be a multiple of it"
+            )
+        for secondary in (None, s) if s < n else (None,):
+            t = hybrid.hybrid_traffic(
+                inp.psi, n, 3, ranks_per_node=g, groups=args.groups,
+                secondary_shard_size=secondary, secondary_bytes=p, **wire,
+            )  # fmt: skip
+            extra = hybrid.secondary_shard_memory(inp.psi, secondary, p) if secondary else 0.0
+            seconds = hybrid.hybrid_comm_time(t, intra=intra, inter=inter) if intra and inter else None
+            label = f"secondary s = {secondary}" if secondary else "without"
+            rows.append(
+                (str(n), label, *(f"{v / memory.GB:.4g}" for v in (t.intra, t.inter, extra)), _ms(seconds))
+            )
+            data.append(
+                {"world_size": n, "secondary_shard_size": secondary, "intra": t.intra, "inter": t.inter,
+                 "memory": extra, "time_s": seconds}
+            )  # fmt: skip
+    headers = (
+        "N",
+        "stage 3" + (", int8" if inp.int8 else ""),
+        "intra GB",
+        "inter GB",
+        "copies GB",
+        "comm ms",
+    )
+    notes = (
+        f"G = {g} ranks per node; the backward all-gathers run inside groups of s ranks, in the compute dtype "
+        "(param bytes); copies = what each rank holds at the end of forward, Psi x param bytes / s",
+        "s = N (one node) changes nothing: the all-gathers are inside the node already",
+    )
+    return Section("secondary", "Secondary shards (hpZ), full sharding", headers, rows, data, notes)
 
 
 def _check_auto(args: argparse.Namespace, inp: PlanInputs, intra: Link | None, inter: Link | None) -> None:
@@ -639,6 +697,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     sections = [_memory_section(inp), _traffic_section(inp)]
     if hyb is not None:
         sections.append(_hybrid_section(inp, hyb))
+    if args.secondary_shard_size is not None:
+        sections.append(_secondary_section(inp, args))
     if inp.flops and _bandwidth(inp, None):
         sections.append(_threshold_section(inp))
     rec = None

@@ -147,6 +147,14 @@ class ZeroConfig:
             (on a GPU the guard reads a figure on the host after each quantized collective).
         quantize_fallback_steps: how many steps a unit stays in full precision after the guard
             tripped, before trying int8 again.
+        secondary_shard_size: stage 3 (ZeRO++'s hpZ): when a unit is freed after its forward, each
+            rank keeps a secondary copy of it sharded over a group of this many consecutive ranks
+            (``"node"``: the ranks of one node), so that the unit's all-gather in backward runs
+            inside that group (a node's fast links) instead of across all ranks. Costs, per rank,
+            the unit's gathered bytes divided by this size, for every unit between its forward and
+            its backward (1/secondary_shard_size of the model in the compute dtype at the end of
+            forward). Must divide the shard group's size; equal to it: nothing to save (off).
+            Needs ``reshard_after_forward``. None: off (docs/quantized.md).
     """
 
     stage: int = 0  # ZeRO stage: 0 plain DP
@@ -183,6 +191,7 @@ class ZeroConfig:
     quantize_block: int = 256  # elements per int8 block (one fp32 scale each)
     quantize_guard: float | None = 0.5  # a block losing more than this share to rounding: full precision
     quantize_fallback_steps: int = 100  # steps in full precision after the guard tripped
+    secondary_shard_size: Any = None  # stage 3 (hpZ): ranks (int) or "node" keeping a copy for backward
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage)
@@ -276,6 +285,31 @@ class ZeroConfig:
         _check_int("quantize_fallback_steps", self.quantize_fallback_steps)
         if self.quantize_fallback_steps < 1:
             raise ValueError(f"quantize_fallback_steps must be >= 1, got {self.quantize_fallback_steps}")
+        self._check_secondary()
+
+    def _check_secondary(self) -> None:
+        """The value's form here; against the shard group and the nodes at setup (comm/mesh.py)."""
+        value = self.secondary_shard_size
+        if value is None:
+            return
+        if value != "node" and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+            hint = (
+                " (to keep whole units from forward to backward: reshard_after_forward=false)"
+                if value == 1
+                else ""
+            )
+            raise ValueError(
+                f"secondary_shard_size must be a number of ranks >= 2, 'node' or null, got {value!r}{hint}"
+            )
+        if self.stage != 3:
+            raise ValueError(
+                f"secondary_shard_size applies to stage 3 (its parameters are gathered in backward), got stage={self.stage}"
+            )
+        if not self.reshard_after_forward:
+            raise ValueError(
+                "secondary_shard_size with reshard_after_forward=false: the units stay gathered from forward "
+                "to backward, so there is no backward all-gather for a secondary copy to serve; drop one of them"
+            )
 
     def _check_classes(self) -> None:
         """Import paths are resolved now, where the value enters, not when the processes start."""

@@ -212,6 +212,7 @@ class ZeroRun:
             module=module,
             device=device,
             report=rank_zero_info,
+            secondary_shard_size=cfg.secondary_shard_size,
         )
         solo = runs_solo(group, policy, module)  # see [Note: one process] in solo.py
         self.engine = SoloEngine(cfg, group, policy) if solo else make_engine(cfg, group, policy)

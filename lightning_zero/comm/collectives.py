@@ -173,6 +173,7 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
         self.link = "intra"  # the link its collectives cross, for the ledger ([Note: links] in ledger.py)
         self.mean_over = self.world_size  # ranks whose gradients make one mean (hybrid: the world)
         self.replicate: Communicator | None = None  # hybrid sharding: the replicate group (see subgroup)
+        self.secondary: Communicator | None = None  # stage 3's secondary shards ([Note: secondary shards])
         self._blocking_waits = is_distributed() and dist.get_backend(group) != "nccl"  # gloo, mpi, ...
         self.side: SideGroup | None = None  # gloo group for host tables (watch_faults); see checks.py
         # gloo: every collective checked before it is issued ([Note: checked issue] in checks.py)

@@ -133,13 +133,23 @@ def sharding_comm(
     module: torch.nn.Module | None = None,
     device: torch.device | None = None,
     report: Callable[[str], None] | None = None,
+    secondary_shard_size: int | str | None = None,
 ) -> Any:
     """The communicator the engine shards over: ``comm`` itself (full sharding), or with K < N its
     shard group's, carrying the replicate group's as ``replicate`` (see [Note: hybrid comms] in
     ``collectives.py``). Sets the links the ledger files each group's collectives under. Collective
     the first time a shape is asked for in a process (the groups are made once, then kept).
     ``shard_size="auto"`` measures the links and chooses K for ``module`` on ``device`` (see
-    :func:`choose_automatically`); ``report`` prints the choice and its alternatives."""
+    :func:`choose_automatically`); ``report`` prints the choice and its alternatives.
+    ``secondary_shard_size``: the returned communicator carries the secondary group's as
+    ``secondary`` (see [Note: secondary shards])."""
+    group = _shard_group(comm, shard_size, stage, num_nodes, module, device, report)
+    s = resolve_secondary_size(secondary_shard_size, group.world_size, comm.world_size // num_nodes)
+    group.secondary = None if s is None else _secondary_group(comm, s, comm.world_size // num_nodes)
+    return group
+
+
+def _shard_group(comm, shard_size, stage, num_nodes, module, device, report) -> Any:  # noqa: ANN001
     n = comm.world_size
     if num_nodes < 1 or n % num_nodes:
         raise ValueError(f"{n} ranks cannot be spread evenly over {num_nodes} nodes")
@@ -163,6 +173,48 @@ def sharding_comm(
         mesh.replicate_group, link="inter" if spans_nodes(replicas, g) else "intra"
     )
     return shard
+
+
+# -- secondary shards (hpZ) -----------------------------------------------------------------------
+
+
+def resolve_secondary_size(value: int | str | None, shard_size: int, ranks_per_node: int) -> int | None:
+    """The secondary group's size for the option's ``value`` (``"node"``: G), or None where it
+    changes nothing (off, or one group as large as the shard group).
+
+    Raises:
+        ValueError: it does not divide the shard group, or its groups would span nodes unevenly.
+    """
+    if value is None:
+        return None
+    s = ranks_per_node if value == NODE else value
+    if shard_size % s:
+        raise ValueError(
+            f"secondary_shard_size={value!r} ({s} ranks) does not divide the shard group of {shard_size} ranks: "
+            "each secondary group holds the unit once, sharded over its ranks, so it must divide it"
+        )
+    if ranks_per_node % s and s % ranks_per_node:
+        raise ValueError(
+            f"secondary_shard_size={s} makes the secondary groups span nodes unevenly ({ranks_per_node} ranks "
+            "per node): it must divide the ranks per node, or be a multiple of it"
+        )
+    return s if s < shard_size else None
+
+
+_SECONDARY: dict[tuple[int, int], Any] = {}  # (size, N) -> this process's secondary group
+
+
+def _secondary_group(comm: Any, size: int, ranks_per_node: int) -> Any:
+    """The communicator of this rank's secondary group: ``size`` consecutive ranks, inside its
+    shard group (collective the first time a size is asked for in a process)."""
+    n = comm.world_size
+    group = _SECONDARY.get((size, n))
+    if group is None:
+        groups = [shard_ranks(first, size) for first in range(0, n, size)]
+        group, _ = dist.new_subgroups_by_enumeration(groups, backend=dist.get_backend())
+        _SECONDARY[(size, n)] = group
+    ranks = shard_ranks(comm.me, size)
+    return comm.subgroup(group, link="inter" if spans_nodes(ranks, ranks_per_node) else "intra")
 
 
 # -- shard_size="auto" -----------------------------------------------------------------------------

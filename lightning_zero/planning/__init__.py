@@ -59,6 +59,7 @@ from lightning_zero.planning.hybrid import (
     hybrid_comm_time,
     hybrid_layout,
     hybrid_traffic,
+    secondary_shard_memory,
     shard_table_rows,
     valid_shard_sizes,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "hybrid_comm_time",
     "hybrid_layout",
     "hybrid_traffic",
+    "secondary_shard_memory",
     "max_dp_ranks",
     "max_params",
     "memory_by_stage",

@@ -140,6 +140,8 @@ def hybrid_traffic(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     groups: int | None = None,
+    secondary_shard_size: int | None = None,
+    secondary_bytes: float | None = None,
 ) -> HybridTraffic:
     """Bytes and collectives one rank issues per step with shard size K (see [Note: hybrid step]).
 
@@ -155,6 +157,10 @@ def hybrid_traffic(
         grad_bytes: bytes per gradient element that is reduced.
         groups: flat buckets (stages 0-2) or wrap units L (stage 3); None: one call per
             collective type and, at stage 3, two AllGathers of every parameter (as step_traffic).
+        secondary_shard_size: stage 3's secondary shards (hpZ) over groups of s consecutive ranks:
+            the backward AllGathers (L-1 units: the root's gather serves both) run in the group of
+            s, in ``secondary_bytes`` per element (default ``param_bytes``: what forward computed
+            with, in the compute dtype, where ``param_bytes`` may be int8's); None: off.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -162,6 +168,10 @@ def hybrid_traffic(
         raise ValueError(f"groups (buckets or wrap units) must be >= 1 or None, got {groups}")
     layout = hybrid_layout(world_size, ranks_per_node, shard_size=shard_size, stage=stage)
     kinds = _stage_collectives(psi, stage, layout, param_bytes, grad_bytes, groups)
+    if secondary_shard_size is not None and stage == 3:
+        kinds = _secondary_gathers(
+            kinds, psi, layout, secondary_shard_size, groups, secondary_bytes or param_bytes
+        )
     issued = tuple(c for c in kinds if c.group_size > 1)
     inter = [c for c in issued if c.spans_nodes]
     intra = [c for c in issued if not c.spans_nodes]
@@ -199,6 +209,36 @@ def _stage_collectives(
             _params_gathered(stage, groups) * p * psi,
         ),
     ]
+
+
+def _secondary_gathers(
+    kinds: list[GroupTraffic], psi: float, layout: HybridLayout, s: int, groups: int | None, b: float
+) -> list[GroupTraffic]:
+    """Stage 3 with secondary shards: the forward AllGathers stay in the shard group, the backward
+    ones move to the secondary group of s ranks (one node when s divides G)."""
+    if layout.shard_size % s or s < 1:
+        raise ValueError(f"secondary_shard_size={s} must divide the shard group of {layout.shard_size} ranks")
+    forward, g = groups or 1, layout.ranks_per_node
+    gathers = [c for c in kinds if c.op == "all_gather"][0]
+    backward = gathers.calls - forward
+    spans = s > g
+    return [c for c in kinds if c.op != "all_gather"] + [
+        _group(
+            "all_gather",
+            "shard",
+            gathers.group_size,
+            gathers.spans_nodes,
+            forward,
+            gathers.payload / (_params_gathered(3, groups)),
+        ),
+        _group("all_gather", "secondary", s, spans, backward, b * psi * (_params_gathered(3, groups) - 1)),
+    ]
+
+
+def secondary_shard_memory(psi: float, secondary_shard_size: int, param_bytes: float = 2) -> float:
+    """Bytes per rank that stage 3's secondary shards hold at the end of forward (every unit's
+    copy, 1/s of its gathered parameters; see [Note: secondary shards] in zero/unit.py)."""
+    return psi * param_bytes / secondary_shard_size
 
 
 def _group(op: str, group: str, size: int, spans: bool, calls: int, payload: float) -> GroupTraffic:

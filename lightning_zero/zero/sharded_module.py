@@ -363,6 +363,8 @@ class ZeroThree:
                 self._register_pre_backward(unit, output)
                 unit.note_forward_values()
             if not needs_backward or self.reshard_after_forward:
+                if needs_backward and not (unit.pinned or unit.held or unit is self.root_unit):
+                    unit.keep_secondary()  # its backward gathers inside the group: [Note: secondary shards]
                 self._release(unit)
             if unit.in_use:  # kept gathered until its backward: .grad shows the last gradient
                 unit.mirror_grads(True)
@@ -452,6 +454,7 @@ class ZeroThree:
         else:
             self._reduce_ready_units()
         self._release(unit)
+        unit.drop_secondary()
 
     def _plan_reduce_order(self) -> list[ShardedUnit]:
         """The order of the ReduceScatters, the same on every rank; fixed at the first backward."""
@@ -491,6 +494,7 @@ class ZeroThree:
         self._next_reduce = 0
         for unit in self.units:
             unit.finish_gather()
+            unit.drop_secondary()
             unit.drop_grad_buffer()
             if unit is not self.root_unit or not self._in_step:
                 unit.reshard(force=True)
@@ -516,6 +520,7 @@ class ZeroThree:
                     unit.keep_grads()
         for unit in self.units:
             unit.finish_gather()
+            unit.drop_secondary()
             if unit is not self.root_unit or not self._in_step:
                 unit.reshard(force=not unit.held)
             unit.end_backward()
@@ -599,6 +604,7 @@ class ZeroThree:
         """The optimizer stepped the shards: what is gathered now holds the old values (the root kept
         for a manual step, units inside ``gathered()``), so it is freed and gathered again on use."""
         for unit in self.units:
+            unit.drop_secondary()
             if unit.gathered or unit.gather_handle is not None:
                 unit.reshard(force=True)
 

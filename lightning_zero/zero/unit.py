@@ -27,6 +27,20 @@ Each unit is in one training state (as FSDP keeps one per parameter group), and 
 Whether the parameters are gathered is separate: ``gathered`` (a complete ``full``), or a gather in
 flight (``gather_handle``), or sharded. A unit in PRE_BACKWARD stays gathered until its gradients
 went out, even when activation checkpointing runs its forward again in the middle of its backward.
+
+[Note: secondary shards]
+With ``secondary_shard_size`` s (ZeRO++'s hpZ), a unit freed after a forward with gradients first
+keeps a *secondary* copy of what it computed with: the ranks form groups of s consecutive ranks
+(one node, or a divisor of it), and the rank at position j of its group keeps the rank-major rows
+of the shards of ranks [j x N/s, (j+1) x N/s), cut out of ``full`` (N/s x S elements in the
+compute dtype). An AllGather inside the group then lays out all N shards rank-major, as the
+AllGather over all N ranks would: the unit's gather in backward runs on the node's links. The
+copy is of the gathered values, never a source: the shard stays the only thing stepped and
+checkpointed. It is used only while the shard is as it was when it was cut (its ``generation``),
+and dropped when the unit's backward is over, at the end of backward, after an optimizer step and
+on teardown, so it costs 1/s of the unit's gathered bytes per rank from the end of its forward to
+its backward (counted with the gathered bytes). Values gathered in int8 stay those values: the
+backward computes with exactly what the forward did.
 """
 
 from __future__ import annotations
@@ -113,6 +127,9 @@ class UnitFlat:
     ) -> None:
         self.name = name
         self.comm = comm
+        self.secondary_comm = comm.secondary if comm.world_size > 1 else None  # [Note: secondary shards]
+        self.secondary: Tensor | None = None  # 1D, N/s x S: the rows this rank keeps for backward
+        self.secondary_of: tuple | None = None  # (the shard's generation, lossy) when it was cut
         self.label = label
         self.trainable = trainable
         self.names = [n for n, _ in params]
@@ -177,6 +194,7 @@ class UnitFlat:
             self.wire = BlockLayout(flat.chunks, quantize.block)
             self.guard = quantize.guard_for(f"weights of unit {name!r}", comm)
         self.quantized = False  # the AllGather in flight sends int8 blocks
+        self.incoming_lossy = False  # the AllGather in flight brings values rounded to int8 once
         self.lossy = False  # the gathered values are the shards' int8 rounding
 
     @property
@@ -189,6 +207,10 @@ class UnitFlat:
         if self.gathered or self.gather_handle is not None:
             return
         self.gather_name = f"{label}/all_gather/unit={self.name}"
+        if self.secondary is not None and self.secondary_of[0] == self.generation():
+            self._start_full(self.secondary_comm, "/secondary", self.secondary, lossy=self.secondary_of[1])
+            return
+        self.drop_secondary()
         shard = self.flat.shard.detach()
         if self.wire is not None and self.guard.quantize_now():
             packed, figure = self.wire.quantize(shard.view(1, -1), measure=self.guard.threshold is not None)
@@ -202,10 +224,14 @@ class UnitFlat:
             return
         self._start_full(comm)
 
-    def _start_full(self, comm: Communicator, suffix: str = "") -> None:
-        """The AllGather in the compute dtype (``suffix``: "/fallback" after the guard refused int8)."""
-        shard = self.flat.shard.detach()
+    def _start_full(
+        self, comm: Communicator, suffix: str = "", source: Tensor | None = None, *, lossy: bool = False
+    ) -> None:
+        """The AllGather in the compute dtype (``suffix``: "/fallback" after the guard refused int8)
+        of the shard, or of ``source``: the secondary rows (``lossy``: rounded to int8 once)."""
+        shard = self.flat.shard.detach() if source is None else source
         self.gather_in = shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
+        self.incoming_lossy = lossy
         if self.direct:
             self.full.untyped_storage().resize_(self.nbytes)
             self.gather_out = self.full
@@ -232,7 +258,7 @@ class UnitFlat:
             return
         if not self.direct:  # `full` allocated, filled, then the AllGather's buffer freed
             self._fill_full(lambda: self.flat.copy_out(self.gather_out, self.full))
-        self._gathered()
+        self._gathered(lossy=self.incoming_lossy)
 
     def _fill_full(self, fill: Any) -> None:
         """Allocate `full`, ``fill()`` it, then the AllGather's output is freed."""
@@ -288,6 +314,30 @@ class UnitFlat:
         self.gathered = False
         self._start_full(self.comm, "/exact")
         self.finish_gather()
+
+    def keep_secondary(self) -> None:
+        """Before a free after forward: keep this rank's secondary rows (see [Note: secondary
+        shards]); the ones kept already stand while the shard is unchanged."""
+        if self.secondary_comm is None or not self.gathered:
+            return
+        if self.secondary is not None and self.secondary_of[0] == self.generation():
+            return
+        self.drop_secondary()
+        n, flat = self.comm.world_size, self.flat
+        per = n // self.secondary_comm.world_size
+        first = self.secondary_comm.rank * per
+        rows = [
+            self.full[n * o : n * (o + c)].view(n, c)[first : first + per]
+            for o, c in zip(flat.local_offsets, flat.chunks)
+        ]
+        self.secondary = torch.cat(rows, dim=1).view(-1)
+        self.secondary_of = (self.generation(), self.lossy)
+        self.count(self.secondary.numel() * self.secondary.element_size())
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.count(-self.secondary.numel() * self.secondary.element_size())
+        self.secondary = self.secondary_of = None
 
     def generation(self) -> tuple[int, int]:
         """Changes whenever the shard's values change: writes through plain tensors bump its version
@@ -361,6 +411,7 @@ class UnitFlat:
                 self.count(-self.out_bytes)
         self.gather_handle = self.gather_out = self.gather_in = None
         self.quantized, self.out_bytes = False, 0
+        self.drop_secondary()
         self._release_storage()
 
     def _release_storage(self) -> None:
@@ -552,6 +603,14 @@ class ShardedUnit:
     def make_exact(self) -> None:
         for flat in self.flats:
             flat.make_exact()
+
+    def keep_secondary(self) -> None:
+        for flat in self.flats:
+            flat.keep_secondary()
+
+    def drop_secondary(self) -> None:
+        for flat in self.flats:
+            flat.drop_secondary()
 
     def mark_for_write_back(self) -> None:
         for flat in self.flats:

@@ -42,6 +42,8 @@ BF16_TOL = 2e-3
 CASES = (Case(), Case(accumulate=3, clip=0.05), Case(precision="bf16-mixed"))
 VARIANTS = ((0, None), (1, 2), (2, 2), (3, 2), (1, None), (2, None), (3, None), (3, "auto"))  # (stage, K)
 FABRIC = ((None, None), (2, 2), (3, 2))  # Fabric's ddp, then hybrid stages
+HPZ = {"secondary_shard_size": "node"}  # ZeRO++'s hpZ (docs/quantized.md)
+INT8 = {"quantize_weights": True, "quantize_grads": True, "quantize_block": 32}
 RESUMES = (  # (stage, shard_size, form) that saves after epoch 1 -> (stage, shard_size) that resumes
     ((3, 2, "full"), (2, None)),
     ((3, 2, "sharded"), (3, None)),
@@ -50,8 +52,8 @@ RESUMES = (  # (stage, shard_size, form) that saves after epoch 1 -> (stage, sha
 )
 
 
-def _strategy(stage: int, shard_size: int | None, form: str = "full") -> ZeroStrategy:
-    options: dict[str, Any] = {"state_dict_type": form}
+def _strategy(stage: int, shard_size: int | None, form: str = "full", **more: Any) -> ZeroStrategy:
+    options: dict[str, Any] = {"state_dict_type": form, **more}
     if stage == 3:
         options["wrap_policy"] = BLOCK
     if shard_size is not None:
@@ -95,10 +97,10 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def fit(stage: int, shard_size: int | str | None, case: Case, root: str) -> dict[str, Any]:
+def fit(stage: int, shard_size: int | str | None, case: Case, root: str, **more: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     model = MatrixModule(case, per_rank=BATCH)
-    strategy = _strategy(stage, shard_size)
+    strategy = _strategy(stage, shard_size, **more)
     memory = MemoryAfterFirstStep()
     _trainer(strategy, case, root, epochs=1, callbacks=[memory]).fit(model)
     chosen = strategy._run.fitted.comm.world_size  # K: the size of the group the engine sharded over
@@ -145,10 +147,10 @@ def save_then_resume(saver: tuple, resumer: tuple, folder: str, root: str) -> di
     return {"params": _params(second)}
 
 
-def fabric_fit(stage: int | None, shard_size: int | None, root: str) -> dict[str, Any]:
+def fabric_fit(stage: int | None, shard_size: int | None, root: str, **more: Any) -> dict[str, Any]:
     """A hand-written Fabric loop (tests/fabric/jobs.py): 4 micro-batches, accumulation over 2
     (no_backward_sync), clipping by norm; stage None: Fabric's own ddp."""
-    options = {"shard_size": shard_size} if shard_size is not None else {}
+    options = {"shard_size": shard_size, **more} if shard_size is not None else more
     fabric = L.Fabric(
         strategy=jobs.strategy(stage, **options), accelerator="cpu", devices=WORLD // NODES, num_nodes=NODES
     )
@@ -179,6 +181,11 @@ def runs(tmp_path_factory) -> dict:
     todo[("auto",)] = auto_report
     for stage, shard_size in FABRIC:
         todo[("fabric", stage, shard_size)] = functools.partial(fabric_fit, stage, shard_size)
+    for case in CASES:  # secondary shards over each node, full sharding (and int8 on the wire)
+        todo[("hpz", case)] = functools.partial(fit, 3, None, case, **HPZ)
+        todo[("hpz-int8", case)] = functools.partial(fit, 3, None, case, **HPZ, **INT8)
+        todo[("int8", case)] = functools.partial(fit, 3, None, case, **INT8)
+    todo[("fabric-hpz",)] = functools.partial(fabric_fit, 3, None, **HPZ)
     ranks = run_jobs(list(todo.values()), str(root / "ranks"), world=WORLD, timeout=900, nodes=NODES)
     return {key: [r[i] for r in ranks] for i, key in enumerate(todo)}
 
@@ -299,3 +306,28 @@ def test_a_shard_size_that_does_not_fit_is_refused_at_setup(tmp_path):
         ZeroStrategy(stage=0, shard_size=2)
     assert resolve_shard_size("node", 8, 4, stage=1) == 4
     assert resolve_shard_size(None, 8, 4, stage=0) == 8
+
+
+def test_secondary_shards_gather_inside_the_node_and_train_as_without(runs):
+    """``secondary_shard_size="node"`` at stage 3 with full sharding over 2 nodes: each unit's
+    backward all-gather runs inside the node (the forward's still across), the inter-node bytes
+    drop by those gathers, and the fit is bit for bit the fit without it, with int8 on the wire
+    too, under the Trainer and Fabric."""
+    for case in CASES:
+        hpz, full = runs[("hpz", case)], runs[("fit", case, 3, None)]
+        for mine, theirs in zip(hpz, full):
+            assert _max_diff(mine["params"], theirs["params"]) == 0.0, case.name
+        for mine, theirs in zip(runs[("hpz-int8", case)], runs[("int8", case)]):
+            assert _max_diff(mine["params"], theirs["params"]) == 0.0, case.name
+        records = hpz[0]["records"]
+        if not full[0]["records"]:
+            continue  # one optimizer step per epoch: no step 1 to count
+        kept = [r for r in records if r[0] == "all_gather" and r[1].endswith("/secondary")]
+        assert kept and all(r[3] == "intra" and r[4] == 2 for r in kept), kept
+        assert all(r[3] == "inter" for r in records if r not in kept)
+        # a gather of P bytes sends 3/4 P per rank across 4 ranks, 1/2 P inside a node's 2
+        moved = 1.5 * sum(r[2] for r in kept)
+        assert hpz[0]["links"]["inter"] == pytest.approx(full[0]["links"]["inter"] - moved, rel=1e-6)
+    fabric = runs[("fabric-hpz",)]
+    assert _max_diff(fabric[0]["params"], runs[("fabric", None, None)][0]["params"]) <= FP32_TOL
+    assert all(_max_diff(r["params"], fabric[0]["params"]) == 0.0 for r in fabric[1:])

@@ -32,7 +32,12 @@ def _train(rank: int, world: int, sc: dict) -> dict:
     broadcast_module_states(model, comm, label="t")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     config = ZeroConfig(stage=3, wrap_policy=BLOCK, quantize_block=Q_BLOCK, **sc.get("zero3", {}))
-    shards = sharding_comm(comm, config.shard_size, 3, num_nodes=2) if config.shard_size else comm
+    hybrid = config.shard_size or config.secondary_shard_size
+    shards = (
+        sharding_comm(comm, config.shard_size, 3, 2, secondary_shard_size=config.secondary_shard_size)
+        if hybrid
+        else comm
+    )
     engine = make_engine(config, shards)
     wrapped = engine.setup(model, [optimizer])
     accumulate = sc.get("accumulate", 1)
@@ -208,3 +213,60 @@ def test_hybrid_sharding_quantizes_inside_the_shard_group(tmp_path):
         assert abs(both["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
     for k, v in results[0]["both"]["params"].items():
         assert all(torch.equal(v, other["both"]["params"][k]) for other in results[1:])
+
+
+def _gathers(result: dict, step: int = 1) -> list:
+    """The all-gathers of the units but the root in ``step``."""
+    return [
+        r for r in result["ledger"]
+        if r.step == step and r.op == "all_gather" and "/unit=" in r.name and "unit=root" not in r.name
+    ]  # fmt: skip
+
+
+def test_secondary_shards_keep_the_backward_gathers_inside_the_node(tmp_path):
+    """4 ranks posing as 2 nodes of 2, every rank sharding (no hybrid): with secondary_shard_size=2
+    each unit's backward all-gather runs in the rank's node, from the copy its forward left, and
+    training is bit for bit the training without it, in full precision and with int8 weights and
+    gradients (the backward computes with exactly what the forward did)."""
+    quantized = VARIANTS["both"]
+    variants = {
+        "full": {},
+        "hpz": {"secondary_shard_size": 2},
+        "node": {"secondary_shard_size": "node"},
+        "int8": quantized,
+        "all": {"secondary_shard_size": 2, **quantized},
+    }
+    results = run_ranks(_runs, 4, tmp_path, variants, {"micro_batches": 4, "accumulate": 2})
+    for r in results:
+        full, hpz = _gathers(r["full"]), _gathers(r["hpz"])
+        kept = [x for x in hpz if x.name.endswith("/secondary")]
+        across = [x for x in hpz if not x.name.endswith("/secondary")]
+        # one gather per unit and micro-batch crosses the nodes (forward), one stays inside (backward)
+        assert len(full) == 2 * len(kept) == 2 * len(across) > 0
+        assert all(x.group_size == 2 and x.link == "intra" for x in kept)
+        assert all(x.group_size == 4 and x.link == "inter" for x in across)
+        assert sorted(x.payload_bytes for x in hpz) == sorted(x.payload_bytes for x in full)
+        assert [x.name for x in _gathers(r["node"])] == [x.name for x in hpz]
+        int8_kept = [x for x in _gathers(r["all"]) if x.name.endswith("/secondary")]
+        assert len(int8_kept) == len(kept)  # the int8 forward left its dequantized values
+        for same, reference in (("hpz", "full"), ("node", "full"), ("all", "int8")):
+            assert r[same]["losses"] == r[reference]["losses"]
+            for k, v in r[reference]["params"].items():
+                assert torch.equal(r[same]["params"][k], v), (same, k)
+
+
+def test_secondary_shard_size_is_checked():
+    with pytest.raises(ValueError, match="applies to stage 3"):
+        ZeroConfig(stage=2, secondary_shard_size=2)
+    with pytest.raises(ValueError, match="reshard_after_forward=false"):
+        ZeroConfig(stage=3, secondary_shard_size=2, reshard_after_forward=False)
+    with pytest.raises(ValueError, match=">= 2"):
+        ZeroConfig(stage=3, secondary_shard_size=1)
+    from lightning_zero.comm.mesh import resolve_secondary_size
+
+    with pytest.raises(ValueError, match="does not divide the shard group of 4"):
+        resolve_secondary_size(3, 4, 4)
+    with pytest.raises(ValueError, match="span nodes unevenly"):
+        resolve_secondary_size(4, 8, 6)
+    assert resolve_secondary_size("node", 8, 4) == 4
+    assert resolve_secondary_size("node", 4, 4) is None  # one node: the shard group itself

@@ -289,3 +289,18 @@ def test_package_imported_by_the_command_loads_its_names_on_use():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["2", "ZeroStrategy", "False", "True"]
+
+
+def test_plan_secondary_shards_move_the_backward_gathers_into_the_node(capsys):
+    """N = 4 over 2 nodes of 2, Ψ = 1e6 in fp32: without secondary shards every collective crosses
+    nodes (ReduceScatter 3/4 x 4 MB, two AllGathers 3/4 x 4 MB each: 9 MB); with s = 2 the backward
+    AllGather runs inside the node (1/2 x 4 MB = 2 MB intra) and each rank keeps 4 MB / 2 of copies."""
+    args = ("--params", "1e6", "-n", "4", "--param-bytes", "4", "--grad-bytes", "4", "--ranks-per-node", "2")
+    rows = run_json(capsys, *args, "--secondary-shard-size", "node")["secondary"]
+    without, secondary = rows
+    assert (without["intra"], without["inter"], without["memory"]) == (0, pytest.approx(9e6), 0)
+    assert secondary["secondary_shard_size"] == 2
+    assert (secondary["intra"], secondary["inter"]) == (pytest.approx(2e6), pytest.approx(6e6))
+    assert secondary["memory"] == pytest.approx(2e6)
+    assert main(["plan", *args, "--secondary-shard-size", "3"]) != 0
+    assert "must divide N = 4" in capsys.readouterr().err
