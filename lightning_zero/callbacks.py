@@ -472,9 +472,9 @@ class ZeroMonitor(Callback):
         gathered = max(self._forward_params - report.parameters, 0)
         self._shape = run_shape(trainer, zero)
         traffic, waits, timing = traffic_of(window.records), dict(window.waits), timing_of(window.timed)
-        zero3 = getattr(zero.engine, "zero3", None)
-        quantized = zero3 is not None and (zero.config.quantize_weights or zero.config.quantize_grads)
-        fallbacks = zero3.quantize_fallbacks() if quantized else None
+        wrapped = getattr(zero.engine, "wrapped", None)  # its sync: stage 3's units, stages 1-2's buckets
+        quantized = wrapped is not None and (zero.config.quantize_weights or zero.config.quantize_grads)
+        fallbacks = wrapped.sync.quantize_fallbacks() if quantized else None
         return StepSample(window.step, traffic, waits, memory, gathered, times, timing, fallbacks)
 
     def _remember(self, sample: StepSample) -> None:

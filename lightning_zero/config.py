@@ -134,9 +134,10 @@ class ZeroConfig:
             bf16, at the price of computing with weights rounded to 1/254 of their block's
             largest value. The shards (fp32 masters under bf16) stay the only copy and what the
             optimizer steps; checkpoints hold full values (docs/quantized.md).
-        quantize_grads: stage 3: each unit's gradient reduction sends int8 blocks (ZeRO++'s qgZ),
-            as an all-to-all whose chunks every rank dequantizes and sums in fp32, so that each
-            value is rounded once; accumulation and the step stay in full precision.
+        quantize_grads: stages 1-3: each gradient reduction (a stage-3 unit's, a stage 1-2
+            bucket's) sends int8 blocks (ZeRO++'s qgZ), as an all-to-all whose chunks every rank
+            dequantizes and sums in fp32, so that each value is rounded once; accumulation and the
+            step stay in full precision.
         quantize_block: elements per int8 block (one fp32 scale each); blocks never span two
             parameters. Smaller blocks follow the values' range more closely and send more scales
             (4 bytes per block). A multiple of 32 up to 65536.
@@ -187,7 +188,7 @@ class ZeroConfig:
     cpu_allocator: str = "tuned"  # CPU on glibc: "tuned" (freed memory returned) | "default"
     shard_size: Any = None  # hybrid sharding: ranks per shard group (int), "node", "auto", or None: all ranks
     quantize_weights: bool = False  # stage 3: int8 all-gather of weights (qwZ)
-    quantize_grads: bool = False  # stage 3: int8 gradient reduction (qgZ)
+    quantize_grads: bool = False  # stages 1-3: int8 gradient reduction (qgZ)
     quantize_block: int = 256  # elements per int8 block (one fp32 scale each)
     quantize_guard: float | None = 0.5  # a block losing more than this share to rounding: full precision
     quantize_fallback_steps: int = 100  # steps in full precision after the guard tripped
@@ -266,9 +267,14 @@ class ZeroConfig:
     def _check_quantization(self) -> None:
         _check_bool("quantize_weights", self.quantize_weights)
         _check_bool("quantize_grads", self.quantize_grads)
-        if self.stage != 3 and (self.quantize_weights or self.quantize_grads):
+        if self.stage != 3 and self.quantize_weights:
             raise ValueError(
-                f"quantize_weights and quantize_grads apply to stage 3 in this version, got stage={self.stage}"
+                f"quantize_weights applies to stage 3 (whose all-gathers feed the forward), got stage={self.stage}"
+            )
+        if self.stage == 0 and self.quantize_grads:
+            raise ValueError(
+                "quantize_grads applies to stages 1-3 (int8 reduce-scatters), got stage=0: stage 0 all-reduces, "
+                "which would round each partial sum again; use stage 1, 2 or 3"
             )
         _check_int("quantize_block", self.quantize_block)
         if not 32 <= self.quantize_block <= 65536 or self.quantize_block % 32:

@@ -227,6 +227,50 @@ class WireGuard:
         return False
 
 
+class Int8Reduction:
+    """A ReduceScatter sent as int8 chunks through an all-to-all and summed in fp32 by each
+    receiver (see [Note: quantized communication]), falling back to a ReduceScatter in full
+    precision when the guard refuses the figures: a stage-3 unit's gradients, a stage 1-2 bucket.
+
+    Args:
+        wire: the layout of one rank's chunk.
+        guard: the guard of this traffic.
+    """
+
+    def __init__(self, wire: BlockLayout, guard: WireGuard) -> None:
+        self.wire = wire
+        self.guard = guard
+        self.received: Tensor | None = None  # 1D, N x packed: the chunks bound for this rank
+
+    def start(self, comm: Any, values: Tensor, name: str) -> Any:
+        """Send ``values`` (1D, N x chunk, left as they are); returns the all-to-all's handle."""
+        packed, figures = self.wire.quantize(
+            values.view(comm.world_size, -1), measure=self.guard.threshold is not None
+        )
+        self.wire.set_figures(packed, figures.max())  # the worst of all it sends: see the guard
+        self.received = torch.empty_like(packed).view(-1)
+        return comm.all_to_all(self.received, packed.view(-1), name=name + "/int8")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed chunks in flight (sent and received)."""
+        return 0 if self.received is None else 2 * self.received.numel()
+
+    def finish(self, comm: Any, out: Tensor, values: Tensor, name: str) -> None:
+        """After the all-to-all: this rank's sum into ``out``, or, when the guard refuses the senders'
+        figures (every rank alike), a ReduceScatter of ``values`` in full precision."""
+        received, self.received = self.received, None
+        wire = self.wire
+        dequantized, figures = wire.dequantize(received.view(comm.world_size, wire.nbytes))
+        if self.guard.accept(figures):
+            wire.unpad(dequantized.sum(dim=0, keepdim=True), out.view(1, -1))
+            return
+        comm.reduce_scatter(out, values, name=name + "/fallback", scratch_input=True, async_op=False)
+
+    def drop(self) -> None:
+        self.received = None
+
+
 def _starts(lengths: Sequence[int]) -> list[int]:
     starts, at = [], 0
     for n in lengths:

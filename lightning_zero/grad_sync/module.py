@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_zero.comm import Communicator
+from lightning_zero.comm.quantize import WireQuantization
 from lightning_zero.config import ZeroConfig
 from lightning_zero.grad_sync.reducer import GradReducer
 
@@ -101,6 +102,7 @@ def wrap_module(
         accumulate_unsharded=config.accumulate_unsharded,
         reduce_dtype=reduce_dtype,
         max_reduce_buffers=config.max_reduce_buffers,
+        quantize=WireQuantization.of(config) if config.stage >= 1 else None,
     )
     return ZeroModule(module, reducer, comm, broadcast_buffers=config.broadcast_buffers)
 

@@ -94,6 +94,7 @@ from torch.nn import Parameter
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero.comm import Communicator, Handle
+from lightning_zero.comm.quantize import BlockLayout, Int8Reduction, WireQuantization
 from lightning_zero.grad_sync.backward import EndOfBackward
 from lightning_zero.grad_sync.buckets import BucketSpec, ParamInfo, _itemsize, plan_buckets
 from lightning_zero.grad_sync.range_grad import RangeGrad
@@ -148,6 +149,8 @@ class Bucket:
         self.persistent = persistent  # storage kept between steps (stages 0-1)
         self.stale = False  # stage 1: holds a reduce-scatter's leftovers; zero before the next addition
         self.handed_on = False  # its reduced shard went into the shard gradient in this backward
+        self.int8: Int8Reduction | None = None  # stages 1-2, quantize_grads: its int8 reduction
+        self.packed = 0  # bytes of its int8 reduction's packed chunks in flight
         self.held = False  # holds a late parameter: sent at the end of backward ([Note: late gradients])
         if persistent:
             self.allocate()
@@ -176,6 +179,9 @@ class Bucket:
         self.handle = None
         self.shard_out = None
         self.handed_on = False
+        if self.int8 is not None:
+            self.int8.drop()
+        self.packed = 0
 
 
 class GradReducer:
@@ -198,6 +204,8 @@ class GradReducer:
         max_reduce_buffers: stage 2: full-size buckets alive at once, the ones in flight and the
             ones filling; a bucket about to be allocated first finishes the oldest reduce-scatter
             and frees its bucket.
+        quantize: stages 1-2 with ``grads``: each bucket's reduce-scatter goes as int8 chunks (see
+            [Note: quantized communication] in comm/quantize.py), guarded per bucket.
     """
 
     def __init__(
@@ -214,6 +222,7 @@ class GradReducer:
         accumulate_unsharded: bool = False,
         reduce_dtype: torch.dtype | None = None,
         max_reduce_buffers: int = 2,
+        quantize: WireQuantization | None = None,
     ) -> None:
         self.names = [name for name, _ in named_params]  # registration index -> name
         self.params = [p for _, p in named_params]  # registration index -> parameter
@@ -247,6 +256,8 @@ class GradReducer:
         self._rebuilt = False  # whether the plan was rebuilt from the observed order
         self._next_launch = 0  # index of the next bucket to launch
         self.max_reduce_buffers = max_reduce_buffers
+        self.quantize = quantize if quantize is not None and quantize.grads and stage >= 1 else None
+        self._int8_fallbacks = 0  # of buckets rebuilt since
         self._in_flight: deque[Bucket] = deque()  # stage 2: launched buckets not yet handed on, oldest first
         self.buffer_meter = GatherMeter()  # stage 2: bytes of bucket storage allocated, now and at most
         self.grad_copies = 0  # gradients copied or added into a bucket (not accumulated there by autograd)
@@ -518,12 +529,30 @@ class GradReducer:
         # in place, into this rank's chunk: stage 2 copies it out when it hands the shard on
         bucket.shard_out = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
+        if self._int8(bucket) is not None and bucket.int8.guard.quantize_now():
+            bucket.handle = bucket.int8.start(self.comm, flat, name)  # flat stays as it was
+            bucket.packed = bucket.int8.nbytes
+            return
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name, scratch_input=True)
+
+    def _int8(self, bucket: Bucket) -> Int8Reduction | None:
+        """The bucket's int8 reduction (made at its first use; a rebuilt bucket gets a new one)."""
+        if self.quantize is None or self.comm.world_size == 1 or not bucket.spec.dtype.is_floating_point:
+            return None
+        if bucket.int8 is None:
+            chunk = bucket.spec.padded_numel // self.comm.world_size
+            guard = self.quantize.guard_for(f"gradients of bucket {bucket.index}", self.comm)
+            bucket.int8 = Int8Reduction(BlockLayout([chunk], self.quantize.block), guard)
+        return bucket.int8
 
     def _hand_on(self, bucket: Bucket) -> None:
         """Wait for a bucket's reduce-scatter, add its shard into the shard gradient, free it."""
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
         bucket.handle.wait()
+        if bucket.packed:
+            bucket.packed = 0
+            name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
+            bucket.int8.finish(self.comm, bucket.shard_out, bucket.flat, name)
         self._sum_over_replicas(bucket.shard_out, f"bucket={bucket.index}")
         space = self.spaces[bucket.index]
         space.accumulate_grad(bucket.shard_out, lend=True)
@@ -712,7 +741,12 @@ class GradReducer:
         self._ready_order = []
         specs = self._plan(order)
         if specs != self.bucket_specs():
+            self._int8_fallbacks = self.quantize_fallbacks()  # the new buckets' guards start afresh
             self._build(specs)
+
+    def quantize_fallbacks(self) -> int:
+        """How often the accuracy guard of the buckets' int8 reductions fell back to full precision."""
+        return self._int8_fallbacks + sum(b.int8.guard.fallbacks for b in self.buckets if b.int8 is not None)
 
     def _late_message(self, late: list[int]) -> str:
         names = ", ".join(dict.fromkeys(self.names[i] for i in late))

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import Communicator, Handle
-from lightning_zero.comm.quantize import BlockLayout, WireQuantization
+from lightning_zero.comm.quantize import BlockLayout, Int8Reduction, WireQuantization
 from lightning_zero.memory import GatherMeter
 from lightning_zero.precision import PrecisionPolicy
 from lightning_zero.zero.dtensor import Writes, laid_out, layout_like, local_of, sharded_param
@@ -547,10 +547,12 @@ class ShardedUnit:
         self.meter = meter  # shared gathered-bytes count
         self.buffer_meter = buffer_meter  # gradient buffers of the model's units alive, now and at most
         self.wire: BlockLayout | None = None  # int8 gradient reductions ([Note: quantized communication])
+        self.int8: Int8Reduction | None = None
         if quantize is not None and quantize.grads and comm.world_size > 1 and self.trainable is not None:
             self.wire = BlockLayout(self.trainable.flat.chunks, quantize.block)
             self.guard = quantize.guard_for(f"gradients of unit {self.name!r}", comm)
-        self.reduce_packed: Tensor | None = None  # an int8 reduction's received chunks (1D, N x packed)
+            self.int8 = Int8Reduction(self.wire, self.guard)
+        self.reduce_packed = 0  # bytes of an int8 reduction's packed chunks in flight
         for flat in self.flats:
             flat.count = self._count
         self._swap(sharded=True)
@@ -755,15 +757,10 @@ class ShardedUnit:
         self.reduce_in = buffer
         self.reduce_out = torch.empty(space.flat.shard_numel, dtype=buffer.dtype, device=buffer.device)
         name = f"{self.label}/reduce_scatter/unit={self.name}"
-        if self.wire is not None and self.guard.quantize_now():
-            measure = self.guard.threshold is not None
-            packed, figures = self.wire.quantize(buffer.view(self.comm.world_size, -1), measure=measure)
-            self.wire.set_figures(packed, figures.max())  # the worst of all it sends: see the guard
-            self.reduce_packed = torch.empty_like(packed).view(-1)
-            self._count_buffer(2 * packed.numel())
-            self.reduce_handle = self.comm.all_to_all(
-                self.reduce_packed, packed.view(-1), name=name + "/int8"
-            )
+        if self.int8 is not None and self.guard.quantize_now():
+            self.reduce_handle = self.int8.start(self.comm, buffer, name)
+            self.reduce_packed = self.int8.nbytes
+            self._count_buffer(self.reduce_packed)
             return
         self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name, scratch_input=True)
 
@@ -777,8 +774,11 @@ class ShardedUnit:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
-        if self.reduce_packed is not None:
-            self._sum_quantized()
+        if self.reduce_packed:
+            self._count_buffer(-self.reduce_packed)
+            self.reduce_packed = 0
+            name = f"{self.label}/reduce_scatter/unit={self.name}"
+            self.int8.finish(self.comm, self.reduce_out, self.reduce_in, name)
         out = self.reduce_out
         if self.comm.replicate is not None:  # hybrid: the group's shard summed over the replicas
             name = f"{self.label}/all_reduce/unit={self.name}/replicas"
@@ -791,22 +791,6 @@ class ShardedUnit:
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
         self.reduce_handle = self.reduce_in = self.reduce_out = None
 
-    def _sum_quantized(self) -> None:
-        """This rank's chunks from every rank, dequantized and summed in fp32 into the output; or,
-        when the guard refuses the senders' figures (every rank alike), reduced again in full
-        precision from the input, which the int8 path left as it was."""
-        n, wire = self.comm.world_size, self.wire
-        received, self.reduce_packed = self.reduce_packed, None
-        self._count_buffer(-2 * received.numel())
-        values, figures = wire.dequantize(received.view(n, wire.nbytes))
-        if self.guard.accept(figures):
-            wire.unpad(values.sum(dim=0, keepdim=True), self.reduce_out.view(1, -1))
-            return
-        name = f"{self.label}/reduce_scatter/unit={self.name}/fallback"
-        self.comm.reduce_scatter(
-            self.reduce_out, self.reduce_in, name=name, scratch_input=True, async_op=False
-        )
-
     def drop_unused(self, used: list[bool]) -> None:
         """After the reduction: a parameter no rank used in this backward, and that had no gradient
         from earlier in the window, keeps ``.grad = None`` (the optimizer skips it)."""
@@ -817,9 +801,11 @@ class ShardedUnit:
     def drop_reduce(self) -> None:
         """Abort: forget a finished ReduceScatter without adding it into the gradients."""
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
-        if self.reduce_packed is not None:
-            self._count_buffer(-2 * self.reduce_packed.numel())
-        self.reduce_handle = self.reduce_in = self.reduce_out = self.reduce_packed = None
+        if self.reduce_packed:
+            self._count_buffer(-self.reduce_packed)
+            self.int8.drop()
+        self.reduce_handle = self.reduce_in = self.reduce_out = None
+        self.reduce_packed = 0
 
     def drop_grad_buffer(self) -> None:
         """Abort: the gradients of a backward that raised are dropped."""

@@ -31,7 +31,9 @@ def _train(rank: int, world: int, sc: dict) -> dict:
     comm = Communicator()
     broadcast_module_states(model, comm, label="t")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    config = ZeroConfig(stage=3, wrap_policy=BLOCK, quantize_block=Q_BLOCK, **sc.get("zero3", {}))
+    stage = sc.get("stage", 3)
+    policy = {"wrap_policy": BLOCK} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, **policy, quantize_block=Q_BLOCK, **sc.get("zero3", {}))
     hybrid = config.shard_size or config.secondary_shard_size
     shards = (
         sharding_comm(comm, config.shard_size, 3, 2, secondary_shard_size=config.secondary_shard_size)
@@ -58,6 +60,11 @@ def _train(rank: int, world: int, sc: dict) -> dict:
                 optimizer.zero_grad()
                 step += 1
     comm.ledger.begin_step(-1)
+    if stage < 3:
+        buckets = {f"bucket={b.index}": b.spec.padded_numel for b in wrapped.sync.buckets}
+        fallbacks = {b.index: b.int8.guard.fallbacks for b in wrapped.sync.buckets if b.int8 is not None}
+        return {"params": engine.module_state_dict(model), "ledger": [r for r in comm.ledger.records if r.step >= 0],
+                "losses": losses, "buckets": buckets, "grad_fallbacks": fallbacks}  # fmt: skip
     units = engine.zero3.units
     probe = _probe_gathered(engine, model) if sc.get("probe") else None
     return {
@@ -187,8 +194,10 @@ def test_guard_falls_back_for_the_unit_with_outliers(tmp_path):
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="apply to stage 3"):
-        ZeroConfig(stage=2, quantize_grads=True)
+    with pytest.raises(ValueError, match="applies to stage 3"):
+        ZeroConfig(stage=2, quantize_weights=True)
+    with pytest.raises(ValueError, match="applies to stages 1-3"):
+        ZeroConfig(stage=0, quantize_grads=True)
     with pytest.raises(ValueError, match="quantize_block must be a multiple of 32"):
         ZeroConfig(stage=3, quantize_weights=True, quantize_block=100)
     with pytest.raises(ValueError, match="quantize_guard must be a share"):
@@ -270,3 +279,31 @@ def test_secondary_shard_size_is_checked():
         resolve_secondary_size(4, 8, 6)
     assert resolve_secondary_size("node", 8, 4) == 4
     assert resolve_secondary_size("node", 4, 4) is None  # one node: the shard group itself
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_reduce_their_buckets_in_int8(tmp_path, stage):
+    """``quantize_grads`` at stages 1-2: every bucket's reduce-scatter sends one packed chunk per
+    rank (a bucket's chunk is one segment: a rank's chunk of a flat bucket cuts parameters
+    anywhere), the all-gathers stay as they were, and training follows full precision."""
+    world, sc = 2, {"micro_batches": 6, "accumulate": 2, "clip": 1.0, "stage": stage}
+    results = run_ranks(_runs, world, tmp_path, {"full": {}, "grads": {"quantize_grads": True}}, sc)
+    for r in results:
+        full, grads = r["full"], r["grads"]
+        step = [x for x in grads["ledger"] if x.step == 1]
+        reduces = [x for x in step if x.op == "reduce_scatter"]
+        assert reduces and all(x.name.endswith("/int8") for x in reduces)
+        for x in reduces:
+            bucket = x.name.split("/")[-2]
+            packed = BlockLayout([grads["buckets"][bucket] // world], Q_BLOCK).nbytes
+            assert x.payload_bytes == world * packed, x
+        gathers = [(x.name, x.payload_bytes) for x in step if x.op == "all_gather"]
+        assert gathers == [
+            (x.name, x.payload_bytes) for x in full["ledger"] if x.step == 1 and x.op == "all_gather"
+        ]
+        assert set(grads["grad_fallbacks"].values()) == {0}
+        assert abs(grads["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
+        for k, v in full["params"].items():
+            assert (grads["params"][k] - v).norm() / v.norm().clamp_min(1e-3) <= 0.05, k
+    for k, v in results[0]["grads"]["params"].items():
+        assert torch.equal(v, results[1]["grads"]["params"][k])

@@ -57,6 +57,8 @@ def _strategy(run: Run) -> Any:
         options.update(wrap_policy=BLOCK, prefetch=case.prefetch)
     if run.stage == 3 and case.quantize:  # blocks of 32: the tiny parameters are a few blocks each
         options.update(quantize_weights=True, quantize_grads=True, quantize_block=32)
+    elif run.stage in (1, 2) and case.quantize:  # stages 1-2 reduce gradients only
+        options.update(quantize_grads=True, quantize_block=32)
     return ZeroStrategy(stage=run.stage, **options)
 
 

@@ -1,4 +1,5 @@
-"""Stage 3 with int8 weights and gradients on the wire, through Lightning's Trainer, where it meets
+"""Stage 3 with int8 weights and gradients on the wire (stages 1-2: int8 gradients), through
+Lightning's Trainer, where it meets
 the ways people train: each precision, accumulation, activation checkpointing (both kinds), manual
 optimization with two backward passes, clipping, a frozen layer, AdamW and a checkpoint saved
 after fit.
@@ -25,6 +26,7 @@ CASES = (
     Case(optimizer="adamw", accumulate=3, checkpointing="nonreentrant"),
 )
 SAVED = CASES[-1]  # also saves a full checkpoint after fit
+STAGES_1_2 = Case(precision="bf16-mixed", accumulate=3, clip=0.05, optimizer="adamw")
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -33,7 +35,16 @@ def _relative(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_quantized_fit_follows_full_precision(tmp_path, case):
-    runs = [Run(case._replace(quantize=q), 3, save_after_fit=case == SAVED) for q in (True, False)]
+    _follows_full_precision(tmp_path, case, 3)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_with_int8_gradients_follow_full_precision(tmp_path, stage):
+    _follows_full_precision(tmp_path, STAGES_1_2, stage)
+
+
+def _follows_full_precision(tmp_path, case: Case, stage: int) -> None:
+    runs = [Run(case._replace(quantize=q), stage, save_after_fit=case == SAVED) for q in (True, False)]
     (quantized, full), (quantized1, full1) = run_all(runs, str(tmp_path), world=2, timeout=180)
     for result in (quantized, full, quantized1, full1):
         assert result.error is None, result.error
