@@ -207,7 +207,7 @@ class UnitFlat:
         if self.gathered or self.gather_handle is not None:
             return
         self.gather_name = f"{label}/all_gather/unit={self.name}"
-        if self.secondary is not None and self.secondary_of[0] == self.generation():
+        if self._secondary_current():
             self._start_full(self.secondary_comm, "/secondary", self.secondary, lossy=self.secondary_of[1])
             return
         self.drop_secondary()
@@ -320,7 +320,7 @@ class UnitFlat:
         shards]); the ones kept already stand while the shard is unchanged."""
         if self.secondary_comm is None or not self.gathered:
             return
-        if self.secondary is not None and self.secondary_of[0] == self.generation():
+        if self._secondary_current():
             return
         self.drop_secondary()
         n, flat = self.comm.world_size, self.flat
@@ -333,6 +333,10 @@ class UnitFlat:
         self.secondary = torch.cat(rows, dim=1).view(-1)
         self.secondary_of = (self.generation(), self.lossy)
         self.count(self.secondary.numel() * self.secondary.element_size())
+
+    def _secondary_current(self) -> bool:
+        """A secondary copy is kept and the shard is as it was when the copy was cut."""
+        return self.secondary is not None and self.secondary_of[0] == self.generation()
 
     def drop_secondary(self) -> None:
         if self.secondary is not None:
