@@ -1,4 +1,5 @@
-"""Hybrid sharding (stage 3, ``shard_size=2``) against full sharding on a slowed inter-node link.
+"""Hybrid sharding (stage 3, ``shard_size=2``) and ZeRO++'s three options against full sharding on a
+slowed inter-node link.
 
 Four CPU ranks pose as 2 nodes of 2 (``Trainer(devices=2, num_nodes=2)``). Each "node" is a Linux
 network namespace of its own, joined to the other by a veth pair: the ranks of one node talk over
@@ -11,9 +12,11 @@ Per condition (unshaped, then shaped; ``--rounds`` times), one set of 4 fresh pr
 
 1. measures both links as the engine's ``shard_size="auto"`` does (``measure_link``: timed
    all-reduces on the groups inside each node and on the groups across the nodes, rank 0's figures);
-2. fits ``hsdp`` (``shard_size=2``) and ``full`` (``shard_size=None``) alternately, ``--repeats``
-   times each (A B A B ...), and keeps rank 0's median step time (after ``--warmup`` steps) and the
-   ledger's collectives of a step in the middle of the fit;
+2. fits the ``--variants`` in turn, ``--repeats`` times each (A B A B ...), and keeps rank 0's
+   median step time (after ``--warmup`` steps) and the ledger's collectives of a step in the middle
+   of the fit. Variants (all stage 3): ``full`` (``shard_size=None``), ``hsdp`` (``shard_size=2``),
+   ``zeropp`` (full sharding with ``quantize_weights``, ``quantize_grads`` and
+   ``secondary_shard_size="node"``, docs/quantized.md);
 3. just before every fit, times the compute of one step alone (forward, backward, AdamW on the
    whole model, no collective) on all 4 ranks at once, so that the 2 cores are shared as in a
    training step.
@@ -28,6 +31,7 @@ Needs root (``ip netns``, ``tc``); the namespaces are removed on exit, also on f
     python benchmarks/bench_hsdp_link.py --out-dir benchmarks/results
     python benchmarks/bench_hsdp_link.py --rate 100mbit --repeats 6 --out-dir /tmp/hsdp
     python benchmarks/bench_hsdp_link.py --report benchmarks/results/hsdp_link.json   # tables again
+    python benchmarks/bench_hsdp_link.py --variants full,zeropp,hsdp --tag zeropp_link --out-dir DIR
 """
 
 from __future__ import annotations
@@ -52,7 +56,18 @@ WORLD = NODES * PER_NODE  # N
 NAMESPACES = ("lzbench0", "lzbench1")  # network namespace of node 0, of node 1
 VETH = ("lzveth0", "lzveth1")  # the end of the pair inside node 0's namespace, inside node 1's
 ADDRESSES = ("10.77.0.1", "10.77.0.2")  # each node's address on the pair
-VARIANTS = {"hsdp": 2, "full": None}  # name -> shard_size
+VARIANTS: dict[str, dict[str, Any]] = {  # name -> ZeroStrategy options, all stage 3
+    "hsdp": {"shard_size": 2},
+    "full": {"shard_size": None},
+    # ZeRO++'s three (docs/quantized.md): int8 all-gathers and gradient reductions, secondary shards
+    # per node, over full sharding
+    "zeropp": {
+        "shard_size": None,
+        "quantize_weights": True,
+        "quantize_grads": True,
+        "secondary_shard_size": "node",
+    },
+}
 BLOCK = "benchmarks.bench_hsdp_link.Block"  # the wrap unit of stage 3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ranks' working directory
 
@@ -127,14 +142,14 @@ class StepTimes:
         self.times = times
 
 
-def fit_variant(args: argparse.Namespace, shard_size: int | None, root: str) -> dict[str, Any]:
-    """One fit of stage 3 with ``shard_size``: its step times and a step's ledger figures."""
+def fit_variant(args: argparse.Namespace, options: dict[str, Any], root: str) -> dict[str, Any]:
+    """One fit of stage 3 with a variant's ``options``: its step times and a step's ledger figures."""
     from lightning.pytorch import Trainer
 
     from lightning_zero import ZeroStrategy
 
     torch.manual_seed(0)
-    strategy = ZeroStrategy(stage=3, shard_size=shard_size, wrap_policy=BLOCK)
+    strategy = ZeroStrategy(stage=3, wrap_policy=BLOCK, **options)
     timer = StepTimes()
     trainer = Trainer(
         strategy=strategy,
@@ -159,7 +174,7 @@ def fit_variant(args: argparse.Namespace, shard_size: int | None, root: str) -> 
         "links": ledger.link_bytes(step),
         "calls": {link: sum(1 for r in records if r.link == link) for link in ("intra", "inter")},
         "units": sum(1 for r in records if r.op == "reduce_scatter"),
-        "records": [(r.op, r.link, r.wire_bytes) for r in records],
+        "records": [(r.op, r.link, r.wire_bytes, r.name) for r in records],
     }
 
 
@@ -219,11 +234,13 @@ def worker(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"links": measure_links(), "load_before": os.getloadavg()}
     runs = []
     for repeat in range(args.repeats):
-        for name, shard_size in VARIANTS.items():
+        for name in args.variants.split(","):
             dist.barrier()
             compute = compute_time(args)  # just before the fit: the machine's load drifts
             dist.barrier()
-            run = fit_variant(args, shard_size, os.path.join(os.path.dirname(args.store), f"{name}{repeat}"))
+            run = fit_variant(
+                args, VARIANTS[name], os.path.join(os.path.dirname(args.store), f"{name}{repeat}")
+            )
             runs.append({"variant": name, "repeat": repeat, "compute_s": compute, **run})
     result["load_after"] = os.getloadavg()
     result["runs"] = runs
@@ -316,7 +333,7 @@ def run_job(args: argparse.Namespace, rate: str | None, scratch: str) -> dict[st
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
-    keys = ("width", "layers", "batch_size", "steps", "warmup", "repeats")
+    keys = ("width", "layers", "batch_size", "steps", "warmup", "repeats", "variants")
     return [item for key in keys for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
 
 
@@ -325,7 +342,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 class Row(NamedTuple):
     condition: str  # "unshaped" or the tbf rate
-    variant: str  # hsdp | full
+    variant: str  # a VARIANTS name
     step_s: float  # median of the repeats' median step times
     spread: float  # (max - min) / median of the repeats' medians
     compute_s: float  # one step's compute alone (median over the measurements before each fit)
@@ -339,36 +356,64 @@ class Row(NamedTuple):
 
 
 def rows_of(job: dict[str, Any], psi: int, warmup: int) -> list[Row]:
-    from lightning_zero.planning import Link, hybrid_comm_time, hybrid_traffic
+    condition = job["rate"] or "unshaped"
+    names = list(dict.fromkeys(r["variant"] for r in job["runs"]))
+    return [variant_row(job, name, condition, psi, warmup) for name in names]
+
+
+def variant_row(job: dict[str, Any], name: str, condition: str, psi: int, warmup: int) -> Row:
+    from lightning_zero.planning import Link, hybrid_comm_time, hybrid_traffic, int8_wire_bytes
 
     intra, inter = (Link(*job["links"][k]) for k in ("intra", "inter"))
-    condition = job["rate"] or "unshaped"
-    rows = []
-    for name, shard_size in VARIANTS.items():
-        runs = [r for r in job["runs"] if r["variant"] == name]
-        medians = [statistics.median(r["times"][warmup:]) for r in runs]
-        step = statistics.median(medians)
-        plan = hybrid_traffic(psi, WORLD, 3, ranks_per_node=PER_NODE, shard_size=shard_size,
-                              param_bytes=4, grad_bytes=4, groups=runs[0]["units"])  # fmt: skip
-        predicted = hybrid_comm_time(plan, intra=intra, inter=inter, backend="gloo")
-        compute = statistics.median(r["compute_s"] for r in runs)
-        comm = step - compute
-        links = runs[0]["links"]
-        rows.append(Row(condition, name, step, (max(medians) - min(medians)) / step, compute, comm,
-                        predicted, predicted / comm - 1, gloo_time(runs[0]["records"], intra, inter),
-                        links.get("intra", 0) / 1e6,
-                        links.get("inter", 0) / 1e6, plan.inter / 1e6))  # fmt: skip
-    return rows
+    options = VARIANTS[name]
+    runs = [r for r in job["runs"] if r["variant"] == name]
+    medians = [statistics.median(r["times"][warmup:]) for r in runs]
+    step = statistics.median(medians)
+    int8 = int8_wire_bytes()
+    plan = hybrid_traffic(
+        psi,
+        WORLD,
+        3,
+        ranks_per_node=PER_NODE,
+        shard_size=options["shard_size"],
+        param_bytes=int8 if options.get("quantize_weights") else 4,
+        grad_bytes=int8 if options.get("quantize_grads") else 4,
+        groups=runs[0]["units"],
+        secondary_shard_size=PER_NODE if options.get("secondary_shard_size") else None,
+        secondary_bytes=4,
+    )
+    # the int8 reduction is an all-to-all, which sends on gloo what the ring model counts
+    backend = None if options.get("quantize_grads") else "gloo"
+    predicted = hybrid_comm_time(plan, intra=intra, inter=inter, backend=backend)
+    compute = statistics.median(r["compute_s"] for r in runs)
+    comm = step - compute
+    links = runs[0]["links"]
+    return Row(
+        condition,
+        name,
+        step,
+        (max(medians) - min(medians)) / step,
+        compute,
+        comm,
+        predicted,
+        predicted / comm - 1,
+        gloo_time(runs[0]["records"], intra, inter),
+        links.get("intra", 0) / 1e6,
+        links.get("inter", 0) / 1e6,
+        plan.inter / 1e6,
+    )
 
 
 def gloo_time(records: list[list[Any]], intra: Any, inter: Any) -> float:
     """The planner's alpha-beta sum over the collectives the ledger counted in a step, with the
     bytes gloo sends: the engine runs a reduce-scatter on gloo as an all-reduce of its input
-    (lightning_zero/comm/inplace.py), 2(K-1)/K x V where the ring model counts (K-1)/K x V."""
+    (lightning_zero/comm/inplace.py), 2(K-1)/K x V where the ring model counts (K-1)/K x V; the
+    int8 gradient reduction (named ``.../int8``) is an all-to-all, (K-1)/K x V."""
     total = 0.0
-    for op, link, wire in records:
+    for op, link, wire, *name in records:  # results of older runs have no names
         alpha, bandwidth = intra if link == "intra" else inter
-        total += alpha + (2 if op == "reduce_scatter" else 1) * wire / bandwidth
+        all_to_all = bool(name) and name[0].endswith("/int8")
+        total += alpha + (2 if op == "reduce_scatter" and not all_to_all else 1) * wire / bandwidth
     return total
 
 
@@ -377,7 +422,7 @@ def slowdown_table(rows: list[Row]) -> str:
     per-step costs cancel."""
     lines = ["| variant | measured: shaped - unshaped ms | planner: shaped - unshaped ms | planner / measured |",
              "|---|---|---|---|"]  # fmt: skip
-    for name in VARIANTS:
+    for name in dict.fromkeys(r.variant for r in rows):
         mine = [r for r in rows if r.variant == name]
         base = statistics.median(r.step_s for r in mine if r.condition == "unshaped")
         plan0 = statistics.median(r.predicted_s for r in mine if r.condition == "unshaped")
@@ -387,6 +432,27 @@ def slowdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {name} | {measured * 1e3:.0f} | {predicted * 1e3:.0f} | {predicted / measured:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def speedup_table(jobs: list[dict[str, Any]], warmup: int) -> str:
+    """Per condition, each variant against full sharding: full's step time over the variant's, the
+    median over the repeats of each repeat's pair (fitted one after the other)."""
+    lines = ["| condition | variant | full / variant (paired median) | per repeat |", "|---|---|---|---|"]
+    for job in jobs:
+        by = {}
+        for r in job["runs"]:
+            by.setdefault(r["variant"], []).append(statistics.median(r["times"][warmup:]))
+        if "full" not in by:
+            continue
+        for name, medians in by.items():
+            if name == "full":
+                continue
+            ratios = [f / v for f, v in zip(by["full"], medians)]
+            each = " ".join(f"{x:.2f}" for x in ratios)
+            lines.append(
+                f"| {job['rate'] or 'unshaped'} | {name} | {statistics.median(ratios):.2f}x | {each} |"
+            )
     return "\n".join(lines)
 
 
@@ -432,14 +498,14 @@ def plot(rows: list[Row], path: str) -> bool:
     ax.bar([x + 0.2 for x in xs], [r.compute_s * 1e3 for r in rows], 0.4, color="grey", label="compute alone")
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("ms per step (rank 0, median)")
-    ax.set_title("ZeRO-3 on 2 posing nodes x 2 ranks: hybrid (K=2) vs full sharding")
+    ax.set_title("ZeRO-3 on 2 posing nodes x 2 ranks: " + ", ".join(dict.fromkeys(r.variant for r in rows)))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
 
 
-def report(result: dict[str, Any], out_dir: str | None) -> None:
+def report(result: dict[str, Any], out_dir: str | None, tag: str = "hsdp_link") -> None:
     rows = [
         row for job in result["jobs"] for row in rows_of(job, result["psi"], result["settings"]["warmup"])
     ]
@@ -448,11 +514,13 @@ def report(result: dict[str, Any], out_dir: str | None) -> None:
     print(table(rows))
     print()
     print(slowdown_table(rows))
+    print()
+    print(speedup_table(result["jobs"], result["settings"]["warmup"]))
     if out_dir is not None:
-        with open(os.path.join(out_dir, "hsdp_link.csv"), "w") as f:
+        with open(os.path.join(out_dir, f"{tag}.csv"), "w") as f:
             f.write(",".join(Row._fields) + "\n")
             f.writelines(",".join(str(v) for v in row) + "\n" for row in rows)
-        png = os.path.join(out_dir, "hsdp_link.png")
+        png = os.path.join(out_dir, f"{tag}.png")
         print(f"plot: {png}" if plot(rows, png) else "matplotlib not installed: no plot")
 
 
@@ -469,9 +537,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="steps per fit")
     p.add_argument("--warmup", type=int, default=3, help="first steps of a fit left out")
     p.add_argument("--repeats", type=int, default=4, help="fits per variant, interleaved A B A B")
+    p.add_argument(
+        "--variants",
+        default="hsdp,full",
+        help=f"comma-separated, fitted in this order each repeat: {', '.join(VARIANTS)}",
+    )
     p.add_argument("--rounds", type=int, default=1, help="unshaped job then shaped job, this many times")
     p.add_argument("--timeout", type=float, default=300, help="seconds one job may take")
-    p.add_argument("--out-dir", default=None, help="write hsdp_link.json, .csv, .png here")
+    p.add_argument("--out-dir", default=None, help="write TAG.json, .csv, .png here")
+    p.add_argument("--tag", default="hsdp_link", help="the files' names in --out-dir")
     p.add_argument(
         "--report",
         default=None,
@@ -486,13 +560,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     if args.worker:  # run from the named module, so that BLOCK names the model's class
         from benchmarks import bench_hsdp_link
 
         return bench_hsdp_link.worker(args)
     if args.report:
         with open(args.report) as f:
-            return report(json.load(f), args.out_dir)
+            return report(json.load(f), args.out_dir, args.tag)
     if os.geteuid() != 0:
         raise SystemExit("bench_hsdp_link.py needs root (ip netns, tc qdisc); run it as uid 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
@@ -513,9 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {"settings": settings, "psi": psi, "torch": torch.__version__, "jobs": jobs}
     if args.out_dir is not None:
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, "hsdp_link.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"{args.tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
-    report(result, args.out_dir)
+    report(result, args.out_dir, args.tag)
 
 
 if __name__ == "__main__":

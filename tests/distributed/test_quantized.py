@@ -40,6 +40,11 @@ def _train(rank: int, world: int, sc: dict) -> dict:
         if hybrid
         else comm
     )
+    if sc.get("refuse_all"):  # the guard refuses every quantized collective: only fallbacks run
+        from lightning_zero.comm.quantize import WireGuard
+
+        accept = WireGuard.accept
+        WireGuard.accept = lambda guard, figures: accept(guard, figures + 1.0)  # figures above any threshold
     engine = make_engine(config, shards)
     wrapped = engine.setup(model, [optimizer])
     accumulate = sc.get("accumulate", 1)
@@ -191,6 +196,29 @@ def test_guard_falls_back_for_the_unit_with_outliers(tmp_path):
         assert len(warned) == (fallbacks["blocks.1"] if rank == 0 else 0)
         # the unit never computed with its rounded weights: the run follows full precision
         assert abs(quantized["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_refused_collective_leaves_no_trace(tmp_path, stage):
+    """Every quantized collective refused by the guard (weights and gradients, retried after one
+    step): the run is bit for bit the run in full precision, so a fallback never lets rounded
+    values reach the model."""
+    both = {"quantize_grads": True, "quantize_fallback_steps": 1}
+    if stage == 3:
+        both["quantize_weights"] = True
+    sc = {"micro_batches": 4, "stage": stage}
+    (tmp_path / "q").mkdir()
+    (tmp_path / "f").mkdir()
+    refused = run_ranks(_runs, 2, tmp_path / "q", {"both": both}, {**sc, "refuse_all": True})
+    full = run_ranks(_runs, 2, tmp_path / "f", {"full": {}}, sc)
+    for q, f in zip(refused, full):
+        q, f = q["both"], f["full"]
+        assert sum(q["grad_fallbacks"].values()) >= 2
+        if stage == 3:
+            assert sum(q["weight_fallbacks"].values()) >= 2
+        assert q["losses"] == f["losses"]
+        for name, value in f["params"].items():
+            assert torch.equal(q["params"][name], value), name
 
 
 def test_options_are_checked():
