@@ -83,15 +83,26 @@ class HookProgram(NamedTuple):
     precision: str = "32-true"  # 32-true | bf16-mixed
     hybrid: bool = False  # 4 ranks, shard_size=2 (2 ranks otherwise)
     optimizer: str = "sgd"  # sgd (momentum) | adamw
+    secondary: bool = False  # stage 3 on 4 ranks, full sharding, secondary_shard_size=2 (hpZ)
 
     @property
     def world(self) -> int:
-        return 4 if self.hybrid else 2
+        return 4 if self.hybrid or self.secondary else 2
+
+    def options(self) -> dict[str, Any]:
+        """The ZeroStrategy options of this program (Trainer and Fabric alike)."""
+        options: dict[str, Any] = {"wrap_policy": BLOCK} if self.stage == 3 else {}
+        if self.hybrid:
+            options["shard_size"] = 2
+        if self.secondary:
+            options["secondary_shard_size"] = 2
+        return options
 
     @property
     def name(self) -> str:
         parts = [self.glue, f"zero{self.stage}", self.position, self.operation, self.precision]
         parts += ["hybrid"] if self.hybrid else []
+        parts += ["secondary"] if self.secondary else []
         parts += [self.optimizer] if self.optimizer != "sgd" else []
         return ",".join(parts)
 
@@ -101,10 +112,12 @@ class Outcome(NamedTuple):
     observed: list[float]  # every value the operation read, in order
     ema: dict[str, torch.Tensor]  # the EMA the operation kept (whole), or {}
     error: str | None  # the fit raised: its type and message
+    secondary: int = 0  # backward all-gathers from secondary copies (the ledger's ``/secondary``)
 
 
-def draw(rng: random.Random, *, hybrid: bool = False) -> HookProgram:
-    """One program, uniformly over the valid combinations (a penalty needs a loss to add to)."""
+def draw(rng: random.Random, *, hybrid: bool = False, secondary: bool = False) -> HookProgram:
+    """One program, uniformly over the valid combinations (a penalty needs a loss to add to);
+    ``secondary``: stage 3 with secondary shards."""
     glue = rng.choice(("trainer", "trainer", "manual", "fabric"))
     positions = TRAINER_POSITIONS if glue == "trainer" else LOOP_POSITIONS
     position = rng.choice(positions)
@@ -112,15 +125,15 @@ def draw(rng: random.Random, *, hybrid: bool = False) -> HookProgram:
     operation = rng.choice(operations)
     precision = rng.choice(("32-true", "32-true", "bf16-mixed"))
     optimizer = rng.choice(("sgd", "sgd", "adamw")) if precision == "32-true" else "sgd"
-    stage = 3 if hybrid and rng.random() < 0.5 else rng.choice((1, 2, 3, 3))
-    return HookProgram(glue, stage, position, operation, precision, hybrid, optimizer)
+    stage = 3 if secondary or (hybrid and rng.random() < 0.5) else rng.choice((1, 2, 3, 3))
+    return HookProgram(glue, stage, position, operation, precision, hybrid, optimizer, secondary)
 
 
-def sample(count: int, seed: int, *, hybrid: bool = False) -> list[HookProgram]:
+def sample(count: int, seed: int, *, hybrid: bool = False, secondary: bool = False) -> list[HookProgram]:
     rng = random.Random(seed)
     seen: dict[HookProgram, None] = {}
     while len(seen) < count:
-        seen[draw(rng, hybrid=hybrid)] = None
+        seen[draw(rng, hybrid=hybrid, secondary=secondary)] = None
     return list(seen)
 
 
@@ -291,10 +304,7 @@ def _trainer(program: HookProgram, kind: str, precision: str, root: str, steps: 
     if kind == "ddp":
         strategy: Any = "ddp"
     else:
-        options: dict[str, Any] = {"wrap_policy": BLOCK} if program.stage == 3 else {}
-        if program.hybrid:
-            options["shard_size"] = 2
-        strategy = ZeroStrategy(stage=program.stage, **options)
+        strategy = ZeroStrategy(stage=program.stage, **program.options())
     saving = program.position in ("on_save_checkpoint", "on_load_checkpoint")
     callbacks = [ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2)] if saving else []
     return Trainer(
@@ -325,12 +335,18 @@ def fit_trainer(program: HookProgram, kind: str, precision: str, root: str) -> O
             trainer = _trainer(program, kind, precision, root, 4)
             trainer.fit(model, ckpt_path=os.path.join(root, "last.ckpt"))
         else:
-            _trainer(program, kind, precision, root, STEPS).fit(model)
+            trainer = _trainer(program, kind, precision, root, STEPS)
+            trainer.fit(model)
         params = {k: _whole(v) for k, v in model.state_dict().items()}
         ema = {k: _whole(v) for k, v in operator.ema.items()}
     except Exception as err:  # noqa: BLE001  (the comparison reports it)
         return Outcome({}, operator.observed, {}, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-    return Outcome(params, operator.observed, ema, None)
+    return Outcome(params, operator.observed, ema, None, _secondary_gathers(trainer.strategy))
+
+
+def _secondary_gathers(strategy: Any) -> int:
+    ledger = getattr(strategy, "ledger", None)  # ddp has none
+    return 0 if ledger is None else sum(r.name.endswith("/secondary") for r in ledger.records)
 
 
 # -- Fabric's programs -----------------------------------------------------------------------------
@@ -370,17 +386,14 @@ def fit_fabric(program: HookProgram, kind: str, precision: str, root: str) -> Ou
         ema = {k: _whole(v) for k, v in operator.ema.items()}
     except Exception as err:  # noqa: BLE001
         return Outcome({}, operator.observed, {}, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-    return Outcome(params, operator.observed, ema, None)
+    return Outcome(params, operator.observed, ema, None, _secondary_gathers(fabric.strategy))
 
 
 def _fabric(program: HookProgram, kind: str, precision: str) -> L.Fabric:
     if kind == "ddp":
         strategy: Any = "ddp"
     else:
-        options: dict[str, Any] = {"wrap_policy": BLOCK} if program.stage == 3 else {}
-        if program.hybrid:
-            options["shard_size"] = 2
-        strategy = ZeroFabricStrategy(stage=program.stage, **options)
+        strategy = ZeroFabricStrategy(stage=program.stage, **program.options())
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=program.world, precision=precision)
     fabric.launch()
     return fabric
@@ -474,6 +487,8 @@ def problems(program: HookProgram, outcomes: dict[str, list[Outcome]]) -> list[s
         out.append(f"{name}: the program read {zero.observed}, under ddp {ddp.observed}")
     if (d := _max_diff(zero.ema, ddp.ema, relative=relative)) > tol:
         out.append(f"{name}: the EMA differs from ddp's by {d:.2e}")
+    if program.secondary and not zero.secondary:  # the program must exercise what it names
+        out.append(f"{name}: no backward all-gather used a secondary copy")
     return out
 
 

@@ -3,8 +3,9 @@ operation people write there, stages 1-3, fp32 and bf16-mixed, the Trainer and F
 same program under ``ddp``.
 
 The default suite runs a fixed-seed sample and every named regression (a mismatch found while the
-fuzzer was built) in one pair of processes; ``make test-slow`` runs 500 programs on two ranks and
-100 with hybrid sharding on four.
+fuzzer was built) in one pair of processes, and a small sample with stage 3's secondary shards
+(hpZ) on four; ``make test-slow`` runs 500 programs on two ranks, 100 with hybrid sharding on four
+and 60 with secondary shards on four.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ REGRESSIONS = {
     "manual_step_scales_root_weights": HookProgram("manual", 3, "after_backward", "scale_weight"),
 }
 DEFAULT_SAMPLE = 60  # programs drawn with seed 0 in the default suite
+DEFAULT_SECONDARY = 12  # and stage 3 with secondary shards on 4 ranks, seed 3
 
 
 @pytest.fixture(scope="module")
 def default_results(tmp_path_factory):
-    programs = list(dict.fromkeys([*REGRESSIONS.values(), *sample(DEFAULT_SAMPLE, seed=0)]))
+    drawn = [*sample(DEFAULT_SAMPLE, seed=0), *sample(DEFAULT_SECONDARY, seed=3, secondary=True)]
+    programs = list(dict.fromkeys([*REGRESSIONS.values(), *drawn]))
     return run_programs(programs, str(tmp_path_factory.mktemp("hookpoints")))
 
 
@@ -78,7 +81,8 @@ def test_regression(name, default_results):
 def test_default_sample_matches_ddp(default_results):
     found = report(default_results)
     assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
-    assert len(default_results) >= DEFAULT_SAMPLE
+    assert len(default_results) >= DEFAULT_SAMPLE + DEFAULT_SECONDARY
+    assert sum(p.secondary for p in default_results) == DEFAULT_SECONDARY
 
 
 @pytest.mark.slow
@@ -91,5 +95,12 @@ def test_500_programs_match_ddp(tmp_path):
 @pytest.mark.slow
 def test_hybrid_sharding_programs_match_ddp(tmp_path):
     results = run_programs(sample(100, seed=2, hybrid=True), str(tmp_path))
+    found = report(results)
+    assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
+
+
+@pytest.mark.slow
+def test_secondary_shard_programs_match_ddp(tmp_path):
+    results = run_programs(sample(60, seed=3, secondary=True), str(tmp_path))
     found = report(results)
     assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
