@@ -30,8 +30,12 @@ to first order. The ledger records it as the reduce-scatter it stands for, with 
 A block whose scale is set by a few outliers rounds its other values to zero. What marks the harm
 is not that small values vanish (a packed attention bias whose key part stays near 1e-9 while the
 rest moves by 4e-5 loses the key part to rounding, harmlessly) but that values which a typical
-block of the same chunk would keep do: a value counts as lost when it rounds to zero and is at
-least half the chunk's median quantization step. Each sender sends the worst block's share of
+block of the same chunk would keep do: a value counts as lost when it rounds to zero and is above
+half the chunk's median quantization step, or above a quarter of the chunk's typical nonzero
+magnitude (the median of a strided sample of 4096 values), whichever is lower. The first alone
+would miss outliers in most blocks (an outlier column: every row's block is an outlier's block,
+so the median step is an outlier's); a healthy block rounds to zero only values below 1/254 of its
+largest, far below a quarter of the median. Each sender sends the worst block's share of
 lost values (against at least a quarter of a block, so that a short parameter's tail cannot alarm)
 as its figure; for gradients, the worst over all the chunks it sends, so every receiver gets the
 same N figures. Every rank reads the same N figures after the collective, so every rank takes the
@@ -57,6 +61,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 LEVELS = 127.0  # int8 values in [-127, 127]: symmetric, so that zero stays exactly zero
+_SAMPLE = 4096  # values of a chunk the guard's typical magnitude is the median of
 _F32 = 4  # bytes of a scale and of the figure
 
 
@@ -138,8 +143,13 @@ class BlockLayout:
     def _figure(self, magnitude: Tensor, rounded: Tensor, scale: Tensor) -> Tensor:
         """Per chunk (M,): the largest share, over its blocks, of values lost to their block's
         scale that a typical block of the chunk would have kept (see [Note: the accuracy guard])."""
-        typical = scale.median(dim=1, keepdim=True).values.unsqueeze(2)  # (M, 1, 1): the median step
-        lost = ((rounded == 0) & (magnitude > typical / 2)).sum(dim=2)
+        m = magnitude.shape[0]
+        step = scale.median(dim=1, keepdim=True).values  # (M, 1): the median block's step
+        flat = magnitude.view(m, -1)
+        sample = flat[:, :: max(1, flat.shape[1] // _SAMPLE)]  # a strided sample, padding included
+        value = torch.where(sample > 0, sample, torch.nan).nanmedian(dim=1, keepdim=True).values
+        kept = torch.fmin(step / 2, value / 4).unsqueeze(2)  # (M, 1, 1); NaN (no nonzero): the step
+        lost = ((rounded == 0) & (magnitude > kept)).sum(dim=2)
         nonzero = (magnitude != 0).sum(dim=2).clamp_min(self.block // 4)
         return (lost / nonzero).amax(dim=1).float()
 
