@@ -89,6 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="before fit, 3 weights of blocks[1]'s first MLP layer set to 1e4 times its mean magnitude (the guard's test)",
     )
+    p.add_argument(
+        "--perturb",
+        type=float,
+        default=0.0,
+        metavar="EPS",
+        help="before fit, every weight multiplied by 1 + EPS x N(0, 1), seeded apart from the run "
+        "(how far a run's result moves from a tiny change of its start: the noise floor of a comparison)",
+    )
     add_run_arguments(p)
     return p.parse_args(argv)
 
@@ -364,6 +372,11 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             weight = model.model.blocks[1].mlp.c_fc.weight
             weight[0, :3] = 1e4 * weight.abs().mean()
+    if args.perturb:
+        noise = torch.Generator().manual_seed(args.seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + args.perturb * torch.randn(p.shape, generator=noise))
     if args.guard == "off":
         guard_off()
     timer = StepTimer(args.out, args.rss_every)
@@ -403,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         "fit_s": fit_s,
         "val_loss": val_loss,
         "outliers": args.outliers,
+        "perturb": args.perturb,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     merge_rank_files(args.out, args.devices, meta)

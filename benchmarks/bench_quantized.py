@@ -13,11 +13,14 @@ Every run is one ``_run_one.py`` process (gpt_small, fork, gloo), ``zero3`` or `
   the fitted weights over the held-out split, int8 against full precision;
 - guard: the int8 run with outlier weights (3 values of one block's first MLP layer set to 1e4
   times its mean magnitude, ``--outliers``), against the full-precision run with the same weights:
-  the units whose guard fell back, and the validation loss.
+  the units whose guard fell back, and the validation loss;
+- spread (not in the default parts): the guard's two runs again from starts perturbed by
+  ``--perturb`` (every weight times 1 + eps x N(0, 1)): how far the outlier model's loss moves
+  from a tiny change of its start, the noise floor of the guard's comparison.
 
 The step time of int8 against full precision is ``bench_step_time.py --strategies
 zero3,zero3-int8 --baseline zero3`` (interleaved); the slowed link is ``bench_hsdp_link.py
---variants full,int8``.
+--variants full,zeropp``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +98,24 @@ def guard_part(tmp: Path, steps: int) -> dict[str, Any]:
     return out
 
 
+def spread_part(tmp: Path, steps: int, perturbations: list[float]) -> list[dict[str, Any]]:
+    """The guard's runs again with every weight perturbed by a relative ``eps`` before fit (both
+    runs alike): how far the outlier model's loss moves from a tiny change of its start, full
+    precision and int8 alike, the noise floor against which int8's difference is read."""
+    rows = []
+    for eps in perturbations:
+        row: dict[str, Any] = {"perturb": eps}
+        for strategy in ("zero3", "zero3-int8"):
+            extra = ("--validate", "--outliers", "--perturb", str(eps))
+            record = run(strategy, "32-true", 2, steps, tmp / f"s_{strategy}_{eps}.json", *extra)
+            row[strategy] = record["val_loss"]
+            row[f"{strategy}_fallbacks"] = {
+                k: v for k, v in record["ranks"][0].get("fallbacks", {}).items() if v
+            }
+        rows.append(row)
+    return rows
+
+
 def report(results: dict[str, Any]) -> str:
     lines = []
     if "bytes" in results:
@@ -124,13 +146,42 @@ def report(results: dict[str, Any]) -> str:
             "|---|---|---|",
             f"| full precision | {g['zero3']['val_loss']:.4f} | - |",
             f"| int8, guarded | {g['zero3-int8']['val_loss']:.4f} ({rel:+.2%}) | {g['zero3-int8']['fallbacks']} |",
+            "",
         ]
+    if "spread" in results:
+        lines += ["| outlier weights, start perturbed by | val loss full | val loss int8 | int8 / full - 1 | int8 fallbacks |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in results["spread"]:
+            rel = r["zero3-int8"] / r["zero3"] - 1
+            lines.append(
+                f"| {r['perturb']:g} | {r['zero3']:.4f} | {r['zero3-int8']:.4f} | {rel:+.2%} | {r['zero3-int8_fallbacks']} |"
+            )
+        full = [r["zero3"] for r in results["spread"]] + (
+            [results["guard"]["zero3"]["val_loss"]] if "guard" in results else []
+        )
+        int8 = [r["zero3-int8"] for r in results["spread"]] + (
+            [results["guard"]["zero3-int8"]["val_loss"]] if "guard" in results else []
+        )
+        lines.append("")
+        lines.append(
+            f"full precision over {len(full)} starts: {min(full):.4f} to {max(full):.4f} "
+            f"(mean {statistics.mean(full):.4f}, range {max(full) / min(full) - 1:.2%}); "
+            f"int8 over {len(int8)}: {min(int8):.4f} to {max(int8):.4f} (mean {statistics.mean(int8):.4f}); "
+            f"int8 mean / full mean - 1: {statistics.mean(int8) / statistics.mean(full) - 1:+.2%}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="bytes,accuracy,guard", help="comma-separated: bytes, accuracy, guard")
+    p.add_argument(
+        "--parts", default="bytes,accuracy,guard", help="comma-separated: bytes, accuracy, guard, spread"
+    )
+    p.add_argument(
+        "--perturb",
+        default="1e-5,1e-4,1e-3",
+        help="spread: relative perturbations of the start, comma-separated (one full and one int8 run each)",
+    )
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of the accuracy and guard runs")
     p.add_argument("--bytes-steps", type=int, default=4, help="optimizer steps of the bytes runs")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -140,9 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         print(report(json.loads(args.report.read_text())["results"]))
         return
     parts = [s.strip() for s in args.parts.split(",") if s.strip()]
-    unknown = set(parts) - {"bytes", "accuracy", "guard"}
+    unknown = set(parts) - {"bytes", "accuracy", "guard", "spread"}
     if unknown:
-        raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: bytes, accuracy, guard")
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: bytes, accuracy, guard, spread")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench_quantized_") as tmp:
         if "bytes" in parts:
@@ -151,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
             results["accuracy"] = accuracy_part(Path(tmp), args.steps)
         if "guard" in parts:
             results["guard"] = guard_part(Path(tmp), args.steps)
+        if "spread" in parts:
+            eps = [float(x) for x in args.perturb.split(",") if x.strip()]
+            results["spread"] = spread_part(Path(tmp), args.steps, eps)
     print(report(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
