@@ -65,10 +65,12 @@ class Engine:
 
     @property
     def buffer_meter(self) -> Any:
-        """Full-size gradient buffers alive in backward (stage 2's buckets, stage 3's units), now and
-        at most; None where gradients live in persistent buckets (stages 0-1)."""
+        """Gradient buffers alive in backward, now and at most: stage 2's buckets, stage 3's units,
+        and with ``quantize_grads`` the int8 reductions' packed chunks in flight (stages 1-3); None
+        where nothing transient is (stage 0, stage 1 in full precision: persistent buckets)."""
         sync = self.wrapped.sync if self.wrapped is not None else None
-        return getattr(sync, "buffer_meter", None) if self.config.stage >= 2 else None
+        transient = self.config.stage >= 2 or (self.config.stage == 1 and self.config.quantize_grads)
+        return getattr(sync, "buffer_meter", None) if transient else None
 
     def __init__(self, config: ZeroConfig, comm: Communicator, policy: PrecisionPolicy | None = None) -> None:
         self.config = config

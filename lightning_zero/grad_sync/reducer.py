@@ -259,7 +259,9 @@ class GradReducer:
         self.quantize = quantize if quantize is not None and quantize.grads and stage >= 1 else None
         self._int8_fallbacks = 0  # of buckets rebuilt since
         self._in_flight: deque[Bucket] = deque()  # stage 2: launched buckets not yet handed on, oldest first
-        self.buffer_meter = GatherMeter()  # stage 2: bytes of bucket storage allocated, now and at most
+        # stage 2: bytes of bucket storage allocated, now and at most (with quantize_grads, at stages
+        # 1-2, also the int8 reductions' packed chunks in flight)
+        self.buffer_meter = GatherMeter()
         self.grad_copies = 0  # gradients copied or added into a bucket (not accumulated there by autograd)
         self._late = [False] * len(self.params)  # complete only at the end ([Note: late gradients])
         self._learning = True  # no synchronised backward has reached its end yet
@@ -532,6 +534,7 @@ class GradReducer:
         if self._int8(bucket) is not None and bucket.int8.guard.quantize_now():
             bucket.handle = bucket.int8.start(self.comm, flat, name)  # flat stays as it was
             bucket.packed = bucket.int8.nbytes
+            self.buffer_meter.add(bucket.packed)  # the packed chunks, sent and received
             return
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name, scratch_input=True)
 
@@ -550,6 +553,7 @@ class GradReducer:
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
         bucket.handle.wait()
         if bucket.packed:
+            self.buffer_meter.add(-bucket.packed)
             bucket.packed = 0
             name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
             bucket.int8.finish(self.comm, bucket.shard_out, bucket.flat, name)
@@ -669,6 +673,7 @@ class GradReducer:
     def _reset_backward_state(self) -> None:
         self._in_flight.clear()
         for bucket in self.buckets:
+            self.buffer_meter.add(-bucket.packed)  # a reduction abandoned in flight (0: none)
             bucket.reset()
         self._ready = [False] * len(self.params)
         self._next_launch = 0

@@ -68,8 +68,10 @@ def _train(rank: int, world: int, sc: dict) -> dict:
     if stage < 3:
         buckets = {f"bucket={b.index}": b.spec.padded_numel for b in wrapped.sync.buckets}
         fallbacks = {b.index: b.int8.guard.fallbacks for b in wrapped.sync.buckets if b.int8 is not None}
+        meter = engine.buffer_meter
         return {"params": engine.module_state_dict(model), "ledger": [r for r in comm.ledger.records if r.step >= 0],
-                "losses": losses, "buckets": buckets, "grad_fallbacks": fallbacks}  # fmt: skip
+                "losses": losses, "buckets": buckets, "grad_fallbacks": fallbacks,
+                "buffers": None if meter is None else (meter.now, meter.peak)}  # fmt: skip
     units = engine.zero3.units
     probe = _probe_gathered(engine, model) if sc.get("probe") else None
     return {
@@ -330,6 +332,14 @@ def test_stages_1_and_2_reduce_their_buckets_in_int8(tmp_path, stage):
             (x.name, x.payload_bytes) for x in full["ledger"] if x.step == 1 and x.op == "all_gather"
         ]
         assert set(grads["grad_fallbacks"].values()) == {0}
+        # the packed chunks in flight (sent and received) are counted, and freed by the end
+        packed = [2 * world * BlockLayout([n // world], Q_BLOCK).nbytes for n in grads["buckets"].values()]
+        now, peak = grads["buffers"]
+        assert now == 0 and peak >= max(packed)
+        if stage == 1:
+            assert full["buffers"] is None  # full precision at stage 1: nothing transient
+        else:  # at full precision's peak, int8 also holds the launched bucket's packed chunks
+            assert peak >= full["buffers"][1] + min(packed)
         assert abs(grads["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
         for k, v in full["params"].items():
             assert (grads["params"][k] - v).norm() / v.norm().clamp_min(1e-3) <= 0.05, k
