@@ -133,7 +133,9 @@ class ZeroConfig:
             one fp32 scale per block (ZeRO++'s qwZ): about 4x fewer bytes than fp32, 2x fewer than
             bf16, at the price of computing with weights rounded to 1/254 of their block's
             largest value. The shards (fp32 masters under bf16) stay the only copy and what the
-            optimizer steps; checkpoints hold full values (docs/quantized.md).
+            optimizer steps; checkpoints hold full values (docs/quantized.md). The root unit (the
+            parameters outside every wrap unit) is gathered in full precision: it stays gathered
+            through the step, where user code reads it. Needs ``reshard_after_forward``.
         quantize_grads: stages 1-3: each gradient reduction (a stage-3 unit's, a stage 1-2
             bucket's) sends int8 blocks (ZeRO++'s qgZ), as an all-to-all whose chunks every rank
             dequantizes and sums in fp32, so that each value is rounded once; accumulation and the
@@ -270,6 +272,13 @@ class ZeroConfig:
         if self.stage != 3 and self.quantize_weights:
             raise ValueError(
                 f"quantize_weights applies to stage 3 (whose all-gathers feed the forward), got stage={self.stage}"
+            )
+        if self.quantize_weights and not self.reshard_after_forward:
+            raise ValueError(
+                "quantize_weights with reshard_after_forward=false: every unit would stay gathered from forward "
+                "to the step, where your code reads and writes its weights, in their int8 rounding instead of "
+                "their values; keep reshard_after_forward=true (units are gathered again for backward) or "
+                "drop quantize_weights"
             )
         if self.stage == 0 and self.quantize_grads:
             raise ValueError(

@@ -16,7 +16,12 @@ lost (:meth:`BlockLayout.quantize`). Bytes per element: 1 + 4 / block (+ 4 per c
 (fp32) or 2 (bf16).
 
 Weights: every rank sends its quantized shard, and every rank, itself included, computes with the
-dequantized values of all of them, so the model every rank runs is the same.
+dequantized values of all of them, so the model every rank runs is the same. Not the root unit's:
+it stays gathered from its first use in a step to the step's end, where user code reads and writes
+it (an EMA taken after the forward, a weight scaled after backward), and there it must hold the
+values, not their rounding, which a write would carry into the shard; a unit freed after forward is
+read at rest (exact DTensors). For the same reason ``quantize_weights`` needs
+``reshard_after_forward``.
 
 Gradients: a reduce-scatter would sum partial sums that each hop quantizes again; instead each
 rank quantizes the chunk bound for rank r once, an all-to-all delivers them, and rank r sums the N

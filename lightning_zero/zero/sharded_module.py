@@ -59,6 +59,7 @@ collectives everywhere] in grad_sync/reducer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from collections import deque
@@ -204,7 +205,8 @@ class ZeroThree:
             if not params:
                 return None
             meters = {"meter": self.meter, "buffer_meter": self.buffer_meter}
-            unit = ShardedUnit(name, module, params, slots, self.comm, self.label, **meters, **options)
+            mine = {**options, "quantize": _root_wire(options["quantize"])} if module is root else options
+            unit = ShardedUnit(name, module, params, slots, self.comm, self.label, **meters, **mine)
             for flat in unit.flats:
                 for i, ref in enumerate(flat.originals):
                     if ref() is not None:
@@ -688,6 +690,17 @@ def _param_slots(root: nn.Module) -> dict[int, Slots]:
             if p is not None:
                 slots.setdefault(id(p), []).append((module, attr))
     return slots
+
+
+def _root_wire(quantize: WireQuantization | None) -> WireQuantization | None:
+    """The root unit's int8 traffic: its gradients as every unit's, its weights never. The root
+    stays gathered through the step, where the user's code reads and writes it (an EMA taken after
+    the forward, a weight scaled after backward): those must see and change the exact values, as
+    under ddp, not their int8 rounding, which a write would carry into the shard (see [Note:
+    quantized communication] in comm/quantize.py)."""
+    if quantize is None or not quantize.weights:
+        return quantize
+    return dataclasses.replace(quantize, weights=False) if quantize.grads else None
 
 
 def _owning_units(root: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> dict[str, list]:

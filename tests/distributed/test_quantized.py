@@ -144,8 +144,10 @@ def test_bytes_follow_the_wire_format_and_training_follows_full_precision(tmp_pa
         full, weights, grads, both = (r[k] for k in VARIANTS)
         packed = {u: world * BlockLayout(c, Q_BLOCK).nbytes for u, c in full["chunks"].items()}
         gathers, reduces = _step_bytes(full, "all_gather"), _step_bytes(full, "reduce_scatter")
-        # every gather and reduction of a unit sends one packed chunk per rank, whatever the dtype
-        assert _step_bytes(weights, "all_gather") == {u: (n, n * packed[u]) for u, (n, _) in gathers.items()}
+        # every gather and reduction of a unit sends one packed chunk per rank, whatever the dtype;
+        # the root's gathers stay in full precision (it stays gathered where user code reads it)
+        int8_gathers = {u: (n, n * packed[u]) if u != "root" else (n, b) for u, (n, b) in gathers.items()}
+        assert _step_bytes(weights, "all_gather") == int8_gathers
         assert _step_bytes(grads, "reduce_scatter") == {
             u: (n, n * packed[u]) for u, (n, _) in reduces.items()
         }
@@ -196,8 +198,13 @@ def test_guard_falls_back_for_the_unit_with_outliers(tmp_path):
         # the world's rank 0 says so, once per fallback (every rank decides alike)
         warned = [m for m in quantized["warned"] if "weights of unit 'blocks.1'" in m]
         assert len(warned) == (fallbacks["blocks.1"] if rank == 0 else 0)
-        # the unit never computed with its rounded weights: the run follows full precision
-        assert abs(quantized["losses"][-1] - full["losses"][-1]) <= 0.01 * full["losses"][-1]
+        # the unit never computed with its rounded weights: each of its int8 gathers was sent again
+        gathers = [x.name for x in quantized["ledger"] if x.op == "all_gather" and "unit=blocks.1/" in x.name]
+        tried = [n for n in gathers if n.endswith("/int8")]
+        assert tried and len(tried) == sum(n.endswith("/fallback") for n in gathers) == fallbacks["blocks.1"]
+        # and the run stays near full precision (AdamW turns the other units' rounding into moves
+        # of about 1% of this tiny model's loss)
+        assert abs(quantized["losses"][-1] - full["losses"][-1]) <= 0.03 * full["losses"][-1]
 
 
 @pytest.mark.parametrize("stage", [3, 2])
@@ -244,7 +251,8 @@ def test_hybrid_sharding_quantizes_inside_the_shard_group(tmp_path):
         full, both = r["full"], r["both"]
         packed = {u: 2 * BlockLayout(c, Q_BLOCK).nbytes for u, c in both["chunks"].items()}
         gathers, reduces = _step_bytes(full, "all_gather"), _step_bytes(full, "reduce_scatter")
-        assert _step_bytes(both, "all_gather") == {u: (n, n * packed[u]) for u, (n, _) in gathers.items()}
+        int8_gathers = {u: (n, n * packed[u]) if u != "root" else (n, b) for u, (n, b) in gathers.items()}
+        assert _step_bytes(both, "all_gather") == int8_gathers  # the root in full precision
         assert _step_bytes(both, "reduce_scatter") == {u: (n, n * packed[u]) for u, (n, _) in reduces.items()}
         assert _step_bytes(both, "all_reduce") == _step_bytes(full, "all_reduce") != {}
         int8 = [x for x in both["ledger"] if x.name.endswith("/int8")]
@@ -301,6 +309,8 @@ def test_secondary_shard_size_is_checked():
         ZeroConfig(stage=3, secondary_shard_size=2, reshard_after_forward=False)
     with pytest.raises(ValueError, match=">= 2"):
         ZeroConfig(stage=3, secondary_shard_size=1)
+    with pytest.raises(ValueError, match="quantize_weights with reshard_after_forward=false"):
+        ZeroConfig(stage=3, quantize_weights=True, reshard_after_forward=False)
     from lightning_zero.comm.mesh import resolve_secondary_size
 
     with pytest.raises(ValueError, match="does not divide the shard group of 4"):

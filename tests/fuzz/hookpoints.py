@@ -43,6 +43,13 @@ OBS_TOL = 1e-5  # fp32: what the program read, relative
 # masters) where ddp autocasts fp32 ones, which moves results by up to about 1e-2 relative; a
 # program must lie within max(2 x ddp's own bf16-against-fp32 spread, this) of ddp-bf16
 BF16_FLOOR = 1e-2
+# int8 communication rounds every gathered weight and reduced gradient: a program must lie within
+# INT8_MARGIN x the distance from ddp of the same training without its operation (the rounding's
+# own effect), and never tighter than INT8_FLOOR; with SGD that distance is small next to a lost
+# update (under Adam a rounded gradient's sign moves a weight by the whole learning rate)
+INT8_MARGIN = 4.0
+INT8_FLOOR = 1e-4
+INT8_READ = 1e-2  # what the program read (a norm of rounded gradients): relative, as BF16_FLOOR
 
 TRAINER_POSITIONS = (
     "on_train_batch_start",
@@ -84,6 +91,7 @@ class HookProgram(NamedTuple):
     hybrid: bool = False  # 4 ranks, shard_size=2 (2 ranks otherwise)
     optimizer: str = "sgd"  # sgd (momentum) | adamw
     secondary: bool = False  # stage 3 on 4 ranks, full sharding, secondary_shard_size=2 (hpZ)
+    int8: bool = False  # quantize_grads, and at stage 3 quantize_weights (fp32, SGD; see INT8_FLOOR)
 
     @property
     def world(self) -> int:
@@ -96,6 +104,8 @@ class HookProgram(NamedTuple):
             options["shard_size"] = 2
         if self.secondary:
             options["secondary_shard_size"] = 2
+        if self.int8:
+            options.update(quantize_grads=True, quantize_weights=self.stage == 3)
         return options
 
     @property
@@ -103,6 +113,7 @@ class HookProgram(NamedTuple):
         parts = [self.glue, f"zero{self.stage}", self.position, self.operation, self.precision]
         parts += ["hybrid"] if self.hybrid else []
         parts += ["secondary"] if self.secondary else []
+        parts += ["int8"] if self.int8 else []
         parts += [self.optimizer] if self.optimizer != "sgd" else []
         return ",".join(parts)
 
@@ -115,9 +126,11 @@ class Outcome(NamedTuple):
     secondary: int = 0  # backward all-gathers from secondary copies (the ledger's ``/secondary``)
 
 
-def draw(rng: random.Random, *, hybrid: bool = False, secondary: bool = False) -> HookProgram:
+def draw(
+    rng: random.Random, *, hybrid: bool = False, secondary: bool = False, int8: bool = False
+) -> HookProgram:
     """One program, uniformly over the valid combinations (a penalty needs a loss to add to);
-    ``secondary``: stage 3 with secondary shards."""
+    ``secondary``: stage 3 with secondary shards; ``int8``: int8 communication, fp32 and SGD."""
     glue = rng.choice(("trainer", "trainer", "manual", "fabric"))
     positions = TRAINER_POSITIONS if glue == "trainer" else LOOP_POSITIONS
     position = rng.choice(positions)
@@ -126,14 +139,18 @@ def draw(rng: random.Random, *, hybrid: bool = False, secondary: bool = False) -
     precision = rng.choice(("32-true", "32-true", "bf16-mixed"))
     optimizer = rng.choice(("sgd", "sgd", "adamw")) if precision == "32-true" else "sgd"
     stage = 3 if secondary or (hybrid and rng.random() < 0.5) else rng.choice((1, 2, 3, 3))
-    return HookProgram(glue, stage, position, operation, precision, hybrid, optimizer, secondary)
+    if int8:
+        precision, optimizer = "32-true", "sgd"
+    return HookProgram(glue, stage, position, operation, precision, hybrid, optimizer, secondary, int8)
 
 
-def sample(count: int, seed: int, *, hybrid: bool = False, secondary: bool = False) -> list[HookProgram]:
+def sample(
+    count: int, seed: int, *, hybrid: bool = False, secondary: bool = False, int8: bool = False
+) -> list[HookProgram]:
     rng = random.Random(seed)
     seen: dict[HookProgram, None] = {}
     while len(seen) < count:
-        seen[draw(rng, hybrid=hybrid, secondary=secondary)] = None
+        seen[draw(rng, hybrid=hybrid, secondary=secondary, int8=int8)] = None
     return list(seen)
 
 
@@ -426,6 +443,10 @@ def _jobs(program: HookProgram) -> list[tuple[tuple, Any]]:
     ]
     if program.precision != "32-true":  # ddp's own spread: its bf16 run against its fp32 one
         jobs.append(((program, "ddp32"), functools.partial(fit, program, "ddp", "32-true")))
+    if program.int8:  # int8's own spread: the same training without the operation, against ddp's
+        plain = program._replace(operation="none")
+        jobs.append(((program, "zero_plain"), functools.partial(fit, plain, "zero", program.precision)))
+        jobs.append(((program, "ddp_plain"), functools.partial(fit, plain, "ddp", program.precision)))
     return jobs
 
 
@@ -472,7 +493,10 @@ def problems(program: HookProgram, outcomes: dict[str, list[Outcome]]) -> list[s
     if errors:
         return errors[:1]
     out = []
-    if program.precision == "32-true":
+    if program.int8:
+        spread = _max_diff(outcomes["zero_plain"][0].params, outcomes["ddp_plain"][0].params)
+        tol, obs_tol, relative = max(INT8_MARGIN * spread, INT8_FLOOR), INT8_READ, False
+    elif program.precision == "32-true":
         tol, obs_tol, relative = TOL, OBS_TOL, False
     else:
         fp32 = outcomes["ddp32"][0]
