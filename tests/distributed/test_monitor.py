@@ -341,8 +341,8 @@ def test_monitor_logs_int8_bytes_and_the_guard(tmp_path):
     """Stage 3 with int8 weights and gradients: the logged bytes are the packed ones (under a
     quarter of fp32's and, on this small GPT, well over it: each parameter's rows are padded to
     whole blocks of 256, which its LayerNorms and biases of 12 elements per rank fill a twentieth
-    of; tests/distributed/test_quantized.py checks the exact format) and the guard's fallback
-    count is logged (none on the healthy GPT)."""
+    of, and the root's all-gather stays in fp32; tests/distributed/test_quantized.py checks the
+    exact format) and the guard's fallback count is logged (none on the healthy GPT)."""
     run_ranks(
         fit_all,
         2,
@@ -357,7 +357,8 @@ def test_monitor_logs_int8_bytes_and_the_guard(tmp_path):
         assert b["zero/int8_fallbacks"] == 0 and "zero/int8_fallbacks" not in a
         for op in ("all_gather", "reduce_scatter"):
             assert a[f"zero/{op}_calls"] == b[f"zero/{op}_calls"]
-            assert 2.0 <= a[f"zero/{op}_bytes"] / b[f"zero/{op}_bytes"] <= 4.0
+            low = 1.5 if op == "all_gather" else 2.0  # the root's gathers in fp32
+            assert low <= a[f"zero/{op}_bytes"] / b[f"zero/{op}_bytes"] <= 4.0
 
 
 @pytest.mark.slow
