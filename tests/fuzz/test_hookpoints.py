@@ -95,29 +95,20 @@ def test_default_sample_matches_ddp(default_results):
     assert sum(p.secondary for p in default_results) == DEFAULT_SECONDARY
 
 
-@pytest.mark.slow
-def test_500_programs_match_ddp(tmp_path):
-    results = run_programs(sample(500, seed=1), str(tmp_path))
-    found = report(results)
-    assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
+# the slow samples: (programs, seed, kind): 500 on two ranks, hybrid sharding and secondary shards
+# on four, int8 communication on two
+SLOW_SAMPLES = {
+    "plain": (500, 1, {}),
+    "hybrid_sharding": (100, 2, {"hybrid": True}),
+    "secondary_shards": (60, 3, {"secondary": True}),
+    "int8": (100, 5, {"int8": True}),
+}
 
 
 @pytest.mark.slow
-def test_hybrid_sharding_programs_match_ddp(tmp_path):
-    results = run_programs(sample(100, seed=2, hybrid=True), str(tmp_path))
-    found = report(results)
-    assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
-
-
-@pytest.mark.slow
-def test_secondary_shard_programs_match_ddp(tmp_path):
-    results = run_programs(sample(60, seed=3, secondary=True), str(tmp_path))
-    found = report(results)
-    assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
-
-
-@pytest.mark.slow
-def test_int8_programs_match_ddp(tmp_path):
-    results = run_programs(sample(100, seed=5, int8=True), str(tmp_path))
+@pytest.mark.parametrize("kind", list(SLOW_SAMPLES))
+def test_sampled_programs_match_ddp(tmp_path, kind):
+    count, seed, options = SLOW_SAMPLES[kind]
+    results = run_programs(sample(count, seed=seed, **options), str(tmp_path))
     found = report(results)
     assert not found, f"{len(found)} problem(s):\n" + "\n".join(found)
