@@ -132,10 +132,8 @@ def report(results: dict[str, Any]) -> str:
         lines += ["| precision | steps | val loss full | val loss int8 | int8 / full - 1 | guard fallbacks (int8) |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for r in results["accuracy"]:
-            rel = r["zero3-int8"] / r["zero3"] - 1
             lines.append(
-                f"| {r['precision']} | {r['steps']} | {r['zero3']:.4f} | {r['zero3-int8']:.4f} | {rel:+.2%} "
-                f"| {r['int8_fallbacks'] or 'none'} |"
+                f"| {r['precision']} | {r['steps']} | {_losses(r)} | {r['int8_fallbacks'] or 'none'} |"
             )
         lines.append("")
     if "guard" in results:
@@ -152,15 +150,11 @@ def report(results: dict[str, Any]) -> str:
         lines += ["| outlier weights, start perturbed by | val loss full | val loss int8 | int8 / full - 1 | int8 fallbacks |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for r in results["spread"]:
-            rel = r["zero3-int8"] / r["zero3"] - 1
-            lines.append(
-                f"| {r['perturb']:g} | {r['zero3']:.4f} | {r['zero3-int8']:.4f} | {rel:+.2%} | {r['zero3-int8_fallbacks']} |"
-            )
-        full = [r["zero3"] for r in results["spread"]] + (
-            [results["guard"]["zero3"]["val_loss"]] if "guard" in results else []
-        )
-        int8 = [r["zero3-int8"] for r in results["spread"]] + (
-            [results["guard"]["zero3-int8"]["val_loss"]] if "guard" in results else []
+            lines.append(f"| {r['perturb']:g} | {_losses(r)} | {r['zero3-int8_fallbacks']} |")
+        guarded = results.get("guard", {})  # the unperturbed start, when it ran too
+        full, int8 = (
+            [r[k] for r in results["spread"]] + ([guarded[k]["val_loss"]] if guarded else [])
+            for k in ("zero3", "zero3-int8")
         )
         lines.append("")
         lines.append(
@@ -170,6 +164,12 @@ def report(results: dict[str, Any]) -> str:
             f"int8 mean / full mean - 1: {statistics.mean(int8) / statistics.mean(full) - 1:+.2%}"
         )
     return "\n".join(lines)
+
+
+def _losses(row: dict[str, Any]) -> str:
+    """The cells: full precision's loss, int8's, and int8's relative difference."""
+    full, int8 = row["zero3"], row["zero3-int8"]
+    return f"{full:.4f} | {int8:.4f} | {int8 / full - 1:+.2%}"
 
 
 def main(argv: list[str] | None = None) -> None:

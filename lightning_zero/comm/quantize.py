@@ -256,9 +256,11 @@ class Int8Reduction:
         self.wire = wire
         self.guard = guard
         self.received: Tensor | None = None  # 1D, N x packed: the chunks bound for this rank
+        self.name = ""  # the reduction in flight's ledger name (its fallback's stem)
 
     def start(self, comm: Any, values: Tensor, name: str) -> Any:
         """Send ``values`` (1D, N x chunk, left as they are); returns the all-to-all's handle."""
+        self.name = name
         packed, figures = self.wire.quantize(
             values.view(comm.world_size, -1), measure=self.guard.threshold is not None
         )
@@ -268,10 +270,10 @@ class Int8Reduction:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the packed chunks in flight (sent and received)."""
+        """Bytes of the packed chunks in flight (sent and received); 0: none in flight."""
         return 0 if self.received is None else 2 * self.received.numel()
 
-    def finish(self, comm: Any, out: Tensor, values: Tensor, name: str) -> None:
+    def finish(self, comm: Any, out: Tensor, values: Tensor) -> None:
         """After the all-to-all: this rank's sum into ``out``, or, when the guard refuses the senders'
         figures (every rank alike), a ReduceScatter of ``values`` in full precision."""
         received, self.received = self.received, None
@@ -280,7 +282,7 @@ class Int8Reduction:
         if self.guard.accept(figures):
             wire.unpad(dequantized.sum(dim=0, keepdim=True), out.view(1, -1))
             return
-        comm.reduce_scatter(out, values, name=name + "/fallback", scratch_input=True, async_op=False)
+        comm.reduce_scatter(out, values, name=self.name + "/fallback", scratch_input=True, async_op=False)
 
     def drop(self) -> None:
         self.received = None

@@ -150,7 +150,6 @@ class Bucket:
         self.stale = False  # stage 1: holds a reduce-scatter's leftovers; zero before the next addition
         self.handed_on = False  # its reduced shard went into the shard gradient in this backward
         self.int8: Int8Reduction | None = None  # stages 1-2, quantize_grads: its int8 reduction
-        self.packed = 0  # bytes of its int8 reduction's packed chunks in flight
         self.held = False  # holds a late parameter: sent at the end of backward ([Note: late gradients])
         if persistent:
             self.allocate()
@@ -181,7 +180,6 @@ class Bucket:
         self.handed_on = False
         if self.int8 is not None:
             self.int8.drop()
-        self.packed = 0
 
 
 class GradReducer:
@@ -533,8 +531,7 @@ class GradReducer:
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
         if self._int8(bucket) is not None and bucket.int8.guard.quantize_now():
             bucket.handle = bucket.int8.start(self.comm, flat, name)  # flat stays as it was
-            bucket.packed = bucket.int8.nbytes
-            self.buffer_meter.add(bucket.packed)  # the packed chunks, sent and received
+            self.buffer_meter.add(bucket.int8.nbytes)  # the packed chunks, sent and received
             return
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name, scratch_input=True)
 
@@ -552,11 +549,9 @@ class GradReducer:
         """Wait for a bucket's reduce-scatter, add its shard into the shard gradient, free it."""
         assert self.spaces is not None, "stages 1-2 need their flat spaces before the first backward"
         bucket.handle.wait()
-        if bucket.packed:
-            self.buffer_meter.add(-bucket.packed)
-            bucket.packed = 0
-            name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
-            bucket.int8.finish(self.comm, bucket.shard_out, bucket.flat, name)
+        if bucket.int8 is not None and bucket.int8.nbytes:  # an int8 reduction was in flight
+            self.buffer_meter.add(-bucket.int8.nbytes)
+            bucket.int8.finish(self.comm, bucket.shard_out, bucket.flat)
         self._sum_over_replicas(bucket.shard_out, f"bucket={bucket.index}")
         space = self.spaces[bucket.index]
         space.accumulate_grad(bucket.shard_out, lend=True)
@@ -673,7 +668,8 @@ class GradReducer:
     def _reset_backward_state(self) -> None:
         self._in_flight.clear()
         for bucket in self.buckets:
-            self.buffer_meter.add(-bucket.packed)  # a reduction abandoned in flight (0: none)
+            if bucket.int8 is not None:
+                self.buffer_meter.add(-bucket.int8.nbytes)  # a reduction abandoned in flight (0: none)
             bucket.reset()
         self._ready = [False] * len(self.params)
         self._next_launch = 0

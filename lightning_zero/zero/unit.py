@@ -556,7 +556,6 @@ class ShardedUnit:
             self.wire = BlockLayout(self.trainable.flat.chunks, quantize.block)
             self.guard = quantize.guard_for(f"gradients of unit {self.name!r}", comm)
             self.int8 = Int8Reduction(self.wire, self.guard)
-        self.reduce_packed = 0  # bytes of an int8 reduction's packed chunks in flight
         for flat in self.flats:
             flat.count = self._count
         self._swap(sharded=True)
@@ -763,8 +762,7 @@ class ShardedUnit:
         name = f"{self.label}/reduce_scatter/unit={self.name}"
         if self.int8 is not None and self.guard.quantize_now():
             self.reduce_handle = self.int8.start(self.comm, buffer, name)
-            self.reduce_packed = self.int8.nbytes
-            self._count_buffer(self.reduce_packed)
+            self._count_buffer(self.int8.nbytes)
             return
         self.reduce_handle = self.comm.reduce_scatter(self.reduce_out, buffer, name=name, scratch_input=True)
 
@@ -778,11 +776,9 @@ class ShardedUnit:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
-        if self.reduce_packed:
-            self._count_buffer(-self.reduce_packed)
-            self.reduce_packed = 0
-            name = f"{self.label}/reduce_scatter/unit={self.name}"
-            self.int8.finish(self.comm, self.reduce_out, self.reduce_in, name)
+        if self.int8 is not None and self.int8.nbytes:  # an int8 reduction was in flight
+            self._count_buffer(-self.int8.nbytes)
+            self.int8.finish(self.comm, self.reduce_out, self.reduce_in)
         out = self.reduce_out
         if self.comm.replicate is not None:  # hybrid: the group's shard summed over the replicas
             name = f"{self.label}/all_reduce/unit={self.name}/replicas"
@@ -805,11 +801,10 @@ class ShardedUnit:
     def drop_reduce(self) -> None:
         """Abort: forget a finished ReduceScatter without adding it into the gradients."""
         self._count_buffer(-self.reduce_in.numel() * self.reduce_in.element_size())
-        if self.reduce_packed:
-            self._count_buffer(-self.reduce_packed)
+        if self.int8 is not None and self.int8.nbytes:
+            self._count_buffer(-self.int8.nbytes)
             self.int8.drop()
         self.reduce_handle = self.reduce_in = self.reduce_out = None
-        self.reduce_packed = 0
 
     def drop_grad_buffer(self) -> None:
         """Abort: the gradients of a backward that raised are dropped."""
