@@ -8,12 +8,14 @@ the gradients are accumulated and stepped in the shard's dtype, and checkpoints 
 
 The wire format of one chunk (a rank's shard of a unit, or the part of a gradient bound for one
 rank) is a :class:`BlockLayout`: each parameter's rows are cut into blocks of ``block`` elements,
-the last block of a parameter padded with zeros, so that no block mixes two parameters (a
-LayerNorm weight near 1 next to a linear weight near 0.02 would round the small one to zero).
-A block is sent as int8 values and one fp32 scale (its largest magnitude over 127, round to
-nearest), and each chunk ends with one fp32 figure, the sender's measure of what the rounding
-lost (:meth:`BlockLayout.quantize`). Bytes per element: 1 + 4 / block (+ 4 per chunk) instead of 4
-(fp32) or 2 (bf16).
+a parameter's last block only as long as what is left of it, so that no block mixes two
+parameters (a LayerNorm weight near 1 next to a linear weight near 0.02 would round the small one
+to zero). A block is sent as int8 values and one fp32 scale (its largest magnitude over 127, round
+to nearest), and each chunk ends with one fp32 figure, the sender's measure of what the rounding
+lost (:meth:`BlockLayout.quantize`). Only the values travel, not the last blocks' padding: a
+rank's row of a LayerNorm or a bias (32 elements of a 128-wide layer at 4 ranks) would otherwise
+send a whole block of 256 bytes for 32 values. Bytes per element: 1 + 4 / block (+ 4 per chunk,
+and up to 3 to keep the scales 4-byte aligned) instead of 4 (fp32) or 2 (bf16).
 
 Weights: every rank sends its quantized shard, and every rank, itself included, computes with the
 dequantized values of all of them, so the model every rank runs is the same. Not the root unit's:
@@ -103,7 +105,11 @@ class WireQuantization:
 
 class BlockLayout:
     """How one chunk, laid out as consecutive segments (a unit's parameters, each its rows), is cut
-    into int8 blocks of ``block`` elements, each segment's last block padded with zeros.
+    into int8 blocks of ``block`` elements, each segment's last block as long as what is left.
+
+    Packed, a chunk is its int8 values in the chunk's order (``numel`` bytes, then zeros up to a
+    multiple of 4), one fp32 scale per block, and the fp32 figure. Quantizing works on the blocks
+    padded with zeros (a copy of the chunk); only the values are sent.
 
     Args:
         lengths: the segments' lengths, in the chunk's order (their sum: the chunk's elements).
@@ -119,11 +125,11 @@ class BlockLayout:
             if length:
                 self.pieces.append((start, length, padded))
                 padded += -(-length // block) * block
-        self.padded = padded  # elements of a chunk in blocks
+        self.padded = padded  # elements of a chunk in blocks, each padded to ``block``
         self.blocks = padded // block
         self.aligned = padded == self.numel  # every segment a whole number of blocks: no padding
-        self.scales_at = padded  # byte offset of the scales in a packed chunk
-        self.figure_at = padded + _F32 * self.blocks  # byte offset of the figure
+        self.scales_at = -(-self.numel // _F32) * _F32  # byte offset of the scales in a packed chunk
+        self.figure_at = self.scales_at + _F32 * self.blocks  # byte offset of the figure
         self.nbytes = self.figure_at + _F32  # bytes of one packed chunk
 
     def quantize(self, chunks: Tensor, *, measure: bool = True) -> tuple[Tensor, Tensor]:
@@ -135,13 +141,19 @@ class BlockLayout:
         magnitude = blocks.abs()
         scale = magnitude.amax(dim=2).div_(LEVELS)  # (M, blocks): 0 for a block of zeros
         inverse = torch.where(scale > 0, scale.reciprocal(), 0.0).unsqueeze(2)
-        rounded = blocks.mul_(inverse).round_()  # in [-127, 127]: |x| / max|x| * 127 rounds to <= 127
+        rounded = blocks.mul_(inverse).round_().view(m, self.padded)  # in [-127, 127]
         figure = torch.zeros(m, dtype=torch.float32, device=chunks.device)
         if measure:
-            figure = self._figure(magnitude, rounded, scale)
+            figure = self._figure(magnitude, rounded.view(m, self.blocks, self.block), scale)
         del magnitude
         packed = torch.empty(m, self.nbytes, dtype=torch.uint8, device=chunks.device)
-        packed[:, : self.padded].view(torch.int8).copy_(rounded.view(m, self.padded))
+        values = packed[:, : self.numel].view(torch.int8)
+        if self.aligned:
+            values.copy_(rounded)
+        else:
+            for start, length, at in self.pieces:
+                values[:, start : start + length].copy_(rounded[:, at : at + length])
+        packed[:, self.numel : self.scales_at].zero_()
         packed[:, self.scales_at : self.figure_at].view(torch.float32).copy_(scale)
         return packed, figure
 
@@ -165,20 +177,22 @@ class BlockLayout:
         )
 
     def dequantize(self, packed: Tensor) -> tuple[Tensor, Tensor]:
-        """Packed chunks (M, nbytes) as fp32 values (M, padded) and their senders' figures (M,)."""
-        m = packed.shape[0]
-        values = packed[:, : self.padded].view(torch.int8).view(m, self.blocks, self.block).to(torch.float32)
-        values.mul_(packed[:, self.scales_at : self.figure_at].view(torch.float32).unsqueeze(2))
-        figures = packed[:, self.figure_at :].view(torch.float32).reshape(m)
-        return values.view(m, self.padded), figures
-
-    def unpad(self, values: Tensor, out: Tensor) -> None:
-        """Values in blocks (M, padded) into chunks (M, numel), cast to ``out``'s dtype."""
+        """Packed chunks (M, nbytes) as fp32 values (M, numel) and their senders' figures (M,)."""
+        m, size = packed.shape[0], self.block
+        values = packed[:, : self.numel].view(torch.int8).to(torch.float32)
+        scales = packed[:, self.scales_at : self.figure_at].view(torch.float32)
         if self.aligned:
-            out.copy_(values)
-            return
-        for start, length, at in self.pieces:
-            out[:, start : start + length].copy_(values[:, at : at + length])
+            values.view(m, self.blocks, size).mul_(scales.unsqueeze(2))
+        else:
+            for start, length, at in self.pieces:
+                first, whole = at // size, length // size
+                body = start + whole * size
+                if whole:
+                    values[:, start:body].view(m, whole, size).mul_(scales[:, first : first + whole, None])
+                if body < start + length:  # the segment's short last block
+                    values[:, body : start + length].mul_(scales[:, first + whole, None])
+        figures = packed[:, self.figure_at :].view(torch.float32).reshape(m)
+        return values, figures
 
     def _padded(self, chunks: Tensor) -> Tensor:
         """``chunks`` (M, numel) in blocks (M, padded), fp32; a copy (the caller keeps its values)."""
@@ -280,7 +294,7 @@ class Int8Reduction:
         wire = self.wire
         dequantized, figures = wire.dequantize(received.view(comm.world_size, wire.nbytes))
         if self.guard.accept(figures):
-            wire.unpad(dequantized.sum(dim=0, keepdim=True), out.view(1, -1))
+            out.view(1, -1).copy_(dequantized.sum(dim=0, keepdim=True))  # summed in fp32, then cast
             return
         comm.reduce_scatter(out, values, name=self.name + "/fallback", scratch_input=True, async_op=False)
 

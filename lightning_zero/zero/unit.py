@@ -294,11 +294,9 @@ class UnitFlat:
 
         def fill() -> None:
             if self.direct:
-                wire.unpad(values, self.full.view(n, by_rank))
+                self.full.view(n, by_rank).copy_(values)
                 return
-            rank_major = torch.empty(n, by_rank, dtype=self.compute_dtype, device=self.full.device)
-            wire.unpad(values, rank_major)
-            self.flat.copy_out(rank_major.view(-1), self.full)
+            self.flat.copy_out(values.to(self.compute_dtype).view(-1), self.full)
 
         self._fill_full(fill)
         self._gathered(lossy=True)
@@ -402,9 +400,7 @@ class UnitFlat:
             return shard.to(self.compute_dtype)
         packed, _ = self.wire.quantize(shard.view(1, -1), measure=False)
         values, _ = self.wire.dequantize(packed)
-        out = torch.empty(1, shard.numel(), dtype=self.compute_dtype, device=shard.device)
-        self.wire.unpad(values, out)
-        return out.view(-1)
+        return values.view(-1).to(self.compute_dtype)
 
     def release(self, *, wait: bool) -> None:
         """Teardown: no gather left in flight (waited, unless after a failure)."""
