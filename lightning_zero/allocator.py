@@ -22,16 +22,23 @@ fault their pages in again every step: on the 0.8M-parameter gpt_small of docs/b
 whose attention scores and MLP activations are exactly 4 MiB, that is 7-10% of a step at every
 stage (zero0 within the noise of DDP with ``cpu_allocator="default"``, 10-14% behind it tuned).
 
-It is applied only for the stages that free memory while they train (2 and 3: setup frees the
-unsharded model, and every step frees gradient buckets or gathered units). Stages 0 and 1 keep
-their buckets for the whole run and free nothing a user would see: tuned, they only paid for the
-activations mapped anew (zero0 against DDP on gpt_small: 0.906x tuned, 0.970x with glibc's
-defaults), so they are left on glibc's defaults. A threshold derived from the blocks a stage frees
-(its units' size instead of 4 MiB) was tried: stage 3's whole-run peak on the memory-order model
-rose above stage 2's (755 against 721 MiB), since blocks below a unit (gradients as autograd
-makes them, optimizer temporaries) then stay in the heap; 4 MiB stays.
+Stages 0 and 1 keep their buckets for the whole run and free nothing a user would see, so they
+take the other setting, the one glibc's dynamic adjustment climbs towards on its own: a 32 MiB mmap
+threshold (its ceiling on 64-bit) and a 64 MiB trim threshold (twice that, as it sets them).
+Tuned to 4 MiB they paid for activations mapped anew every step (zero0 against DDP on gpt_small:
+0.906x). Left on glibc's defaults they paid too, less visibly: the threshold that the first freed
+blocks set leaves the heap's top above the trim threshold at the end of some steps, glibc gives
+the pages back, and the next step faults them in again (zero0 on gpt_small: 4,000-6,000 page
+faults and 10-14 ms of system time per step of 190 ms, DDP 750 and 4 ms; with this setting 3-4
+faults and 2-4 ms, at a few MiB more peak RSS). With the threshold fixed at its ceiling from the
+start, activations and temporaries up to 32 MiB come from the heap and stay there between steps,
+which is all a stage that frees nothing needs. A threshold derived from the blocks a stage frees
+(its units' size instead of 4 MiB) was tried for stage 3: its whole-run peak on the memory-order
+model rose above stage 2's (755 against 721 MiB), since blocks below a unit (gradients as
+autograd makes them, optimizer temporaries) then stay in the heap; 4 MiB stays.
 
-It is applied once per process, on Linux with glibc only (musl, macOS and Windows have other
+Each setting is applied once per process (a later fit at a stage of the other kind applies its
+own), on Linux with glibc only (musl, macOS and Windows have other
 allocators: nothing is done there), only when the strategy trains on CPU (the CUDA caching
 allocator is tuned with ``PYTORCH_CUDA_ALLOC_CONF``, see docs/benchmarks.md), and never over a
 setting the user made: a parameter named in the environment (``MALLOC_MMAP_THRESHOLD_``,
@@ -56,6 +63,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 4 * 1024 * 1024  # bytes: blocks at least this large are mmapped and unmapped on free
 TRIM_THRESHOLD = 128 * 1024  # bytes of free heap top kept before it is returned (glibc's start value)
 # (the dynamic adjustment may have raised it to 2x the largest freed block before the tuning runs)
+STEADY_MMAP_THRESHOLD = 32 * 1024 * 1024  # stages 0-1: the ceiling of glibc's dynamic threshold (64-bit)
+STEADY_TRIM_THRESHOLD = 2 * STEADY_MMAP_THRESHOLD  # what glibc's adjustment sets beside it
 
 
 class Setting(NamedTuple):
@@ -68,22 +77,27 @@ class Setting(NamedTuple):
     tunable: str  # its GLIBC_TUNABLES name
 
 
-SETTINGS = (
-    Setting(
-        "M_MMAP_THRESHOLD",
-        M_MMAP_THRESHOLD,
-        MMAP_THRESHOLD,
-        "MALLOC_MMAP_THRESHOLD_",
-        "glibc.malloc.mmap_threshold",
-    ),
-    Setting(
-        "M_TRIM_THRESHOLD",
-        M_TRIM_THRESHOLD,
-        TRIM_THRESHOLD,
-        "MALLOC_TRIM_THRESHOLD_",
-        "glibc.malloc.trim_threshold",
-    ),
-)
+def _settings(mmap_threshold: int, trim_threshold: int) -> tuple[Setting, Setting]:
+    return (
+        Setting(
+            "M_MMAP_THRESHOLD",
+            M_MMAP_THRESHOLD,
+            mmap_threshold,
+            "MALLOC_MMAP_THRESHOLD_",
+            "glibc.malloc.mmap_threshold",
+        ),
+        Setting(
+            "M_TRIM_THRESHOLD",
+            M_TRIM_THRESHOLD,
+            trim_threshold,
+            "MALLOC_TRIM_THRESHOLD_",
+            "glibc.malloc.trim_threshold",
+        ),
+    )
+
+
+SETTINGS = _settings(MMAP_THRESHOLD, TRIM_THRESHOLD)  # stages that free memory while they train (2-3)
+STEADY_SETTINGS = _settings(STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD)  # stages that free nothing (0-1)
 
 
 class AllocatorState(NamedTuple):
@@ -92,31 +106,40 @@ class AllocatorState(NamedTuple):
     applied: dict[str, int]  # mallopt parameter name -> bytes set
     skipped: dict[str, str]  # mallopt parameter name -> why it was left alone
     reason: str  # why nothing was applied; "" when something was
+    frees: bool = True  # which setting: for a stage that frees memory while it trains (2-3), or not
 
 
 _state: AllocatorState | None = None  # this process's tuning, once done (a forked child inherits it)
 
 
-def tune_cpu_allocator(mode: str = "tuned", *, device_type: str = "cpu") -> AllocatorState:
-    """Apply the CPU allocator setting of [Note: why the CPU allocator is tuned], once per process.
+def tune_cpu_allocator(
+    mode: str = "tuned", *, device_type: str = "cpu", frees: bool = True
+) -> AllocatorState:
+    """Apply the CPU allocator setting of [Note: why the CPU allocator is tuned], once per process
+    and kind of stage.
 
     Args:
         mode: ``"tuned"`` applies it; ``"default"`` leaves glibc's defaults.
         device_type: the device the strategy trains on; anything but ``"cpu"`` changes nothing.
+        frees: whether the stage frees memory while it trains (stages 2-3: freed blocks of 4 MiB
+            and more go back to the system) or not (stages 0-1: glibc's ceiling, fixed).
 
     Returns:
         What was set, what was left to the user's environment, or why nothing was done. A second
-        call in the same process returns the first call's state and changes nothing.
+        call of the same kind in the same process returns the first call's state and changes
+        nothing; a call of the other kind applies its own setting.
     """
     global _state
     if mode not in CPU_ALLOCATOR_MODES:
         raise ValueError(f"cpu_allocator must be one of {list(CPU_ALLOCATOR_MODES)}, got {mode!r}")
-    if _state is not None:
+    if _state is not None and _state.frees == frees:
         return _state
     reason = _why_not(mode, device_type)
     if reason:
-        return AllocatorState({}, {}, reason)  # nothing done: a later call on CPU may still tune
-    _state = _apply(ctypes.CDLL(None), os.environ)
+        return AllocatorState({}, {}, reason, frees)  # nothing done: a later call on CPU may still tune
+    _state = _apply(ctypes.CDLL(None), os.environ, SETTINGS if frees else STEADY_SETTINGS)._replace(
+        frees=frees
+    )
     return _state
 
 
@@ -132,12 +155,14 @@ def _why_not(mode: str, device_type: str) -> str:
     return ""
 
 
-def _apply(libc: ctypes.CDLL, environ: Mapping[str, str]) -> AllocatorState:
-    """Call ``mallopt`` for every setting the user did not make in ``environ``."""
+def _apply(
+    libc: ctypes.CDLL, environ: Mapping[str, str], settings: tuple[Setting, ...] = SETTINGS
+) -> AllocatorState:
+    """Call ``mallopt`` for every one of ``settings`` the user did not make in ``environ``."""
     applied: dict[str, int] = {}
     skipped: dict[str, str] = {}
     tunables = environ.get("GLIBC_TUNABLES", "")
-    for setting in SETTINGS:
+    for setting in settings:
         if setting.env in environ or f"{setting.tunable}=" in tunables:
             skipped[setting.name] = f"set by the environment ({setting.env} or GLIBC_TUNABLES)"
         elif libc.mallopt(ctypes.c_int(setting.param), ctypes.c_int(setting.value)) == 1:

@@ -87,7 +87,7 @@ class RunGlue(ABC):
 
     def setup_environment(self) -> None:
         """Before the model exists: the CPU allocator setting (see ``allocator.py``), then DDP's."""
-        self._run.prepare_process(self.root_device)
+        self._run.prepare_process(self.root_device, self.num_nodes * self.num_processes)
         super().setup_environment()  # type: ignore[misc]
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -122,11 +122,13 @@ class ZeroRun:
 
     # -- the processes ---------------------------------------------------------------------------
 
-    def prepare_process(self, device: torch.device) -> None:
-        """Before the model exists: the CPU allocator setting, for the stages that free memory
-        (2-3: setup frees the unsharded model, and each step buckets or units; see ``allocator.py``)."""
-        if self.config.stage >= 2:
-            tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type)
+    def prepare_process(self, device: torch.device, world_size: int) -> None:
+        """Before the model exists: the CPU allocator setting, by whether the stage frees memory
+        while it trains (2-3 on several ranks: setup frees the unsharded model, and each step
+        buckets or units) or not (0-1, and one rank, which keeps the model whole); see
+        ``allocator.py``."""
+        frees = self.config.stage >= 2 and world_size > 1
+        tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
 
     def watch_faults(self) -> bool:
         """Every rank's host known, the fault board open, the watchdog on (docs/failures.md). True

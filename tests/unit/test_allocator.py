@@ -7,7 +7,15 @@ import textwrap
 import pytest
 
 from lightning_zero import ZeroConfig
-from lightning_zero.allocator import MMAP_THRESHOLD, SETTINGS, TRIM_THRESHOLD, _apply, _why_not, glibc_version
+from lightning_zero.allocator import (
+    MMAP_THRESHOLD,
+    SETTINGS,
+    STEADY_SETTINGS,
+    TRIM_THRESHOLD,
+    _apply,
+    _why_not,
+    glibc_version,
+)
 
 ON_GLIBC = sys.platform.startswith("linux") and glibc_version() is not None
 
@@ -33,6 +41,15 @@ def test_sets_a_fixed_mmap_and_trim_threshold():
     ]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD of <malloc.h>
     assert state.applied == {"M_MMAP_THRESHOLD": MMAP_THRESHOLD, "M_TRIM_THRESHOLD": TRIM_THRESHOLD}
     assert state.skipped == {} and state.reason == ""
+
+
+def test_stages_that_free_nothing_fix_glibcs_ceiling():
+    """Stages 0-1: the 32 MiB mmap threshold glibc's dynamic adjustment climbs to, and twice that
+    as the trim threshold, from the start."""
+    libc = FakeLibc()
+    state = _apply(libc, {}, STEADY_SETTINGS)
+    assert libc.calls == [(-3, 32 * 2**20), (-1, 64 * 2**20)]
+    assert state.applied == {"M_MMAP_THRESHOLD": 32 * 2**20, "M_TRIM_THRESHOLD": 64 * 2**20}
 
 
 @pytest.mark.parametrize(
@@ -104,3 +121,26 @@ def test_tuned_allocator_returns_freed_tensors_to_the_system():
     default, tuned = kept("default"), kept("tuned")
     assert default > 400, f"glibc's defaults should keep the freed blocks resident, kept {default:.0f} MiB"
     assert tuned < 300, f"tuned: only the 256 MiB still live should be resident, kept {tuned:.0f} MiB"
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="glibc's mallopt only exists on Linux with glibc")
+def test_each_kind_of_stage_applies_its_own_setting_once(monkeypatch):
+    """A fit at stage 0 then one at stage 3 in one process: each applies its setting, and a second
+    fit of the same kind changes nothing."""
+    from lightning_zero import allocator
+
+    applied = []
+
+    def fake_apply(libc, environ, settings=SETTINGS):
+        applied.append(settings)
+        return allocator.AllocatorState({s.name: s.value for s in settings}, {}, "")
+
+    monkeypatch.setattr(allocator, "_state", None)
+    monkeypatch.setattr(allocator, "_apply", fake_apply)
+    steady = allocator.tune_cpu_allocator("tuned", device_type="cpu", frees=False)
+    assert allocator.tune_cpu_allocator("tuned", device_type="cpu", frees=False) is steady
+    freeing = allocator.tune_cpu_allocator("tuned", device_type="cpu", frees=True)
+    assert applied == [STEADY_SETTINGS, SETTINGS] and (steady.frees, freeing.frees) == (False, True)
+    assert allocator.cpu_allocator_state() is freeing
+    assert allocator.tune_cpu_allocator("default", device_type="cpu", frees=False).applied == {}
+    assert allocator.cpu_allocator_state() is freeing  # "default" changes nothing
