@@ -90,3 +90,20 @@ def test_only_the_values_travel():
         block = chunks[:, start : start + min(length, 256)]
         step = block.abs().amax(dim=1, keepdim=True) / LEVELS
         assert bool(((out[:, start : start + block.shape[1]] - block).abs() <= step / 2 * (1 + 1e-5)).all())
+
+
+def test_short_last_blocks_round_as_whole_blocks_padded_with_zeros():
+    """Sending only the values changes no value: each segment, cut into blocks of 256 padded with
+    zeros and rounded block by block by hand, comes back bit for bit."""
+    lengths = [300, 32, 5, 512]
+    layout = BlockLayout(lengths, 256)
+    chunks = _gaussian(3, sum(lengths)) * 0.05
+    out, _ = _round_trip(layout, chunks)
+    for start, length, _ in layout.pieces:
+        segment = chunks[:, start : start + length]
+        padded = torch.zeros(3, -(-length // 256) * 256)
+        padded[:, :length] = segment
+        blocks = padded.view(3, -1, 256)
+        scale = blocks.abs().amax(dim=2, keepdim=True) / LEVELS
+        expected = (blocks * scale.reciprocal()).round() * scale  # as the sender rounds
+        assert torch.equal(out[:, start : start + length], expected.view(3, -1)[:, :length])
