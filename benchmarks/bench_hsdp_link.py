@@ -382,9 +382,8 @@ def variant_row(job: dict[str, Any], name: str, condition: str, psi: int, warmup
         secondary_shard_size=PER_NODE if options.get("secondary_shard_size") else None,
         secondary_bytes=4,
     )
-    # the int8 reduction is an all-to-all, which sends on gloo what the ring model counts
-    backend = None if options.get("quantize_grads") else "gloo"
-    predicted = hybrid_comm_time(plan, intra=intra, inter=inter, backend=backend)
+    int8_grads = bool(options.get("quantize_grads"))  # an all-to-all: gloo sends the ring's bytes
+    predicted = hybrid_comm_time(plan, intra=intra, inter=inter, backend="gloo", int8_grads=int8_grads)
     compute = statistics.median(r["compute_s"] for r in runs)
     comm = step - compute
     links = runs[0]["links"]

@@ -260,7 +260,7 @@ BACKEND_WIRE_FACTORS: dict[str, dict[str, float]] = {"gloo": {"reduce_scatter": 
 
 
 def hybrid_comm_time(
-    traffic: HybridTraffic, *, intra: Link, inter: Link, backend: str | None = None
+    traffic: HybridTraffic, *, intra: Link, inter: Link, backend: str | None = None, int8_grads: bool = False
 ) -> float:
     """Seconds the step's collectives occupy the links, one after another (alpha-beta):
 
@@ -269,11 +269,15 @@ def hybrid_comm_time(
     A collective is charged at the inter-node link whenever its group spans nodes, all of its
     bytes. Not the exposed time: overlap with compute is not modelled. ``backend``: the bytes it
     really sends where they differ from the ring model's (BACKEND_WIRE_FACTORS: gloo's
-    reduce-scatter sends an all-reduce's); None: the ring model.
+    reduce-scatter sends an all-reduce's); None: the ring model. ``int8_grads``: the gradient
+    reductions are ``quantize_grads``' all-to-alls, which every backend sends at the ring's bytes
+    (``traffic`` sized with int8's ``grad_bytes``).
     """
     _check_link("intra", intra)
     _check_link("inter", inter)
     factors = BACKEND_WIRE_FACTORS.get(backend or "", {})
+    if int8_grads:
+        factors = {op: f for op, f in factors.items() if op != "reduce_scatter"}
     seconds = 0.0
     for c in traffic.collectives:
         link = inter if c.spans_nodes else intra
@@ -319,6 +323,7 @@ def evaluate_shard_size(
     memory_budget: float | None = None,
     groups: int | None = None,
     backend: str | None = None,
+    int8_grads: bool = False,
     **memory_options: Any,
 ) -> ShardOption:
     """Memory per rank, bytes per link and predicted seconds for one K (None: N).
@@ -342,7 +347,7 @@ def evaluate_shard_size(
     seconds = (
         None
         if intra is None or inter is None
-        else hybrid_comm_time(traffic, intra=intra, inter=inter, backend=backend)
+        else hybrid_comm_time(traffic, intra=intra, inter=inter, backend=backend, int8_grads=int8_grads)
     )
     fits = None if memory_budget is None else mem <= memory_budget
     return ShardOption(k, traffic.layout.replicas, mem, traffic.intra, traffic.inter, seconds, fits)
@@ -359,6 +364,7 @@ def choose_shard_size(
     memory_budget: float | None,
     groups: int | None = None,
     backend: str | None = None,
+    int8_grads: bool = False,
     **memory_options: Any,
 ) -> ShardChoice:
     """``shard_size="auto"``: the valid K with the least predicted communication whose model states
@@ -387,6 +393,7 @@ def choose_shard_size(
             memory_budget=memory_budget,
             groups=groups,
             backend=backend,
+            int8_grads=int8_grads,
             **memory_options,
         )
         for k in valid_shard_sizes(world_size, ranks_per_node)

@@ -225,6 +225,10 @@ def test_time_with_the_bytes_gloo_sends():
     # K = 4: 3 MB of reduce-scatter across the nodes count twice: 80 ms + 30 ms
     assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="gloo") == pytest.approx(0.11)
     assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="nccl") == pytest.approx(0.08)
+    # quantize_grads reduces by an all-to-all, which gloo sends at the ring's bytes: no doubling
+    assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="gloo", int8_grads=True) == pytest.approx(
+        0.08
+    )
 
 
 def test_time_rejects_a_bad_link():
