@@ -117,9 +117,9 @@ class ZeroConfig:
             back to the system, so that the memory a stage frees shows in the process's resident
             size; at stages 0-1 and on one rank, which free nothing while they train, at the
             ceiling of glibc's own adjustment (32 MiB and 64 MiB), so that no step gives heap
-            pages back only to fault them in again. ``"default"`` leaves glibc's defaults. Settings the user made in the environment are
-            kept either way; nothing changes on GPUs or other C libraries
-            (lightning_zero/allocator.py).
+            pages back only to fault them in again. ``"default"`` leaves glibc's defaults.
+            Settings the user made in the environment are kept either way; nothing changes on
+            GPUs or other C libraries (lightning_zero/allocator.py).
         shard_size: hybrid sharding (stages 1-3): the ranks form groups of this many consecutive
             ranks; each group shards the model state and the groups replicate each other
             (gradients reduce-scattered inside the group, then all-reduced across groups, shard
