@@ -37,7 +37,7 @@ def test_sets_a_fixed_mmap_and_trim_threshold():
     state = _apply(libc, {})
     assert libc.calls == [
         (-3, 4 * 2**20),
-        (-1, 128 * 2**10),
+        (-1, 64 * 2**20),
     ]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD of <malloc.h>
     assert state.applied == {"M_MMAP_THRESHOLD": MMAP_THRESHOLD, "M_TRIM_THRESHOLD": TRIM_THRESHOLD}
     assert state.skipped == {} and state.reason == ""
