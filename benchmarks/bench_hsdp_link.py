@@ -405,14 +405,13 @@ def variant_row(job: dict[str, Any], name: str, condition: str, psi: int, warmup
 
 def gloo_time(records: list[list[Any]], intra: Any, inter: Any) -> float:
     """The planner's alpha-beta sum over the collectives the ledger counted in a step, with the
-    bytes gloo sends: the engine runs a reduce-scatter on gloo as an all-reduce of its input
-    (lightning_zero/comm/inplace.py), 2(K-1)/K x V where the ring model counts (K-1)/K x V; the
-    int8 gradient reduction (named ``.../int8``) is an all-to-all, (K-1)/K x V."""
+    bytes gloo sends: at stage 3 (every variant here) the ring's, (K-1)/K x V, for the all-gathers,
+    for the reduce-scatters (sends and receives, lightning_zero/comm/inplace.py) and for the int8
+    gradient reduction (an all-to-all); the replicas' all-reduce 2(R-1)/R x V."""
     total = 0.0
-    for op, link, wire, *name in records:  # results of older runs have no names
+    for _op, link, wire, *_name in records:  # results of older runs have no names
         alpha, bandwidth = intra if link == "intra" else inter
-        all_to_all = bool(name) and name[0].endswith("/int8")
-        total += alpha + (2 if op == "reduce_scatter" and not all_to_all else 1) * wire / bandwidth
+        total += alpha + wire / bandwidth
     return total
 
 

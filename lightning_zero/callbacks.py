@@ -91,7 +91,7 @@ PREFIX = "zero/"  # of every logged metric
 LOGICAL_NOTE = (
     "bytes are logical ring-algorithm figures computed from tensor sizes (payload: the full tensor; "
     "wire: what one rank sends), the same on every backend; gloo sends other amounts "
-    "(its reduce-scatter sends as much as an all-reduce)"
+    "(its reduce-scatter of a bucket at stages 1-2 sends as much as an all-reduce)"
 )
 
 

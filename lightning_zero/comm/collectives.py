@@ -45,7 +45,14 @@ from lightning_zero.comm.faults import (
     this_process,
 )
 from lightning_zero.comm.guard import CheckedIssue
-from lightning_zero.comm.inplace import all_gather_by_broadcasts, all_reduce_for_scatter, copies_in_backend
+from lightning_zero.comm.inplace import (
+    all_gather_by_broadcasts,
+    all_reduce_for_scatter,
+    chunk_of,
+    copies_in_backend,
+    reduce_scatter_by_exchange,
+    same_tensor,
+)
 from lightning_zero.comm.ledger import CommLedger
 from lightning_zero.comm.lent import LENT, lend
 from lightning_zero.comm.objects import ObjectCollectives
@@ -304,7 +311,13 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
         in_place = (
             scratch_input and input.is_contiguous() and self.active and copies_in_backend(input, self.group)
         )
-        launch = all_reduce_for_scatter if in_place else None
+        launch = None
+        if in_place:
+            own = same_tensor(chunk_of(input, self.rank, self.world_size), output)
+            if own:
+                launch = all_reduce_for_scatter
+            elif output.is_contiguous() and output.dtype == input.dtype:
+                launch = reduce_scatter_by_exchange
         return self._flat("reduce_scatter", name, output, input, nbytes, launch, _REDUCE_SCATTER, async_op)
 
     def all_gather(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:

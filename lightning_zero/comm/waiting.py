@@ -119,7 +119,8 @@ def stop_waiter() -> bool:
 
 
 _UNTIMED_OPS = ("reduce_scatter",)  # gloo ops whose Work.wait(timeout) blocks past the timeout
-# (not when done in place, as an all-reduce: see [Note: collectives in place] in inplace.py)
+# (done in place, as an all-reduce or an exchange, the Works say: see [Note: collectives in place]
+# in inplace.py)
 
 
 class Handle:
@@ -199,9 +200,15 @@ class Waits:
                 raise explained from err
 
     def _wait_in_slices(self, work: Any, issued: Issued | None) -> None:
-        untimed = issued is not None and issued.op in _UNTIMED_OPS and not isinstance(work, Works)
-        if untimed and not work.is_completed():
-            self._wait_in_background(work, issued)
+        if isinstance(work, Works):
+            untimed = not work.timed
+        else:
+            untimed = issued is not None and issued.op in _UNTIMED_OPS
+        if untimed:
+            if work.is_completed():
+                work.wait()  # at once, and without a timeout
+            else:
+                self._wait_in_background(work, issued)
             return
         while True:
             try:

@@ -254,8 +254,10 @@ class Link(NamedTuple):
     bandwidth: float  # bytes/s: ring wire bytes one rank sends per second on such a group
 
 
-# bytes a backend sends for an op, as a multiple of the ring model's: gloo reduce-scatters by
-# all-reducing (measured: docs/benchmarks.md, "Hybrid sharding on a slowed link")
+# bytes a backend sends for an op, as a multiple of the ring model's, at stages 1-2: gloo
+# reduce-scatters a bucket into its own chunk by all-reducing it (measured: docs/benchmarks.md,
+# "Hybrid sharding on a slowed link"); stage 3's units are exchanged at the ring's bytes
+# ([Note: collectives in place] in comm/inplace.py)
 BACKEND_WIRE_FACTORS: dict[str, dict[str, float]] = {"gloo": {"reduce_scatter": 2.0}}
 
 
@@ -269,14 +271,15 @@ def hybrid_comm_time(
     A collective is charged at the inter-node link whenever its group spans nodes, all of its
     bytes. Not the exposed time: overlap with compute is not modelled. ``backend``: the bytes it
     really sends where they differ from the ring model's (BACKEND_WIRE_FACTORS: gloo's
-    reduce-scatter sends an all-reduce's); None: the ring model. ``int8_grads``: the gradient
-    reductions are ``quantize_grads``' all-to-alls, which every backend sends at the ring's bytes
-    (``traffic`` sized with int8's ``grad_bytes``).
+    reduce-scatter of a bucket at stages 1-2 sends an all-reduce's); None: the ring model.
+    ``int8_grads``: the gradient reductions are ``quantize_grads``' all-to-alls, which every
+    backend sends at the ring's bytes (``traffic`` sized with int8's ``grad_bytes``), as stage 3's
+    exchanges of unit gradients do.
     """
     _check_link("intra", intra)
     _check_link("inter", inter)
     factors = BACKEND_WIRE_FACTORS.get(backend or "", {})
-    if int8_grads:
+    if int8_grads or traffic.stage == 3:
         factors = {op: f for op, f in factors.items() if op != "reduce_scatter"}
     seconds = 0.0
     for c in traffic.collectives:

@@ -4,6 +4,7 @@ lightning_zero/comm/inplace.py): the same bits as torch's collectives, and no fu
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from lightning_zero.comm import Communicator
 from lightning_zero.comm.lent import LENT
+from lightning_zero.comm.waiting import POLL_S
 from tests.bigmodel.lit import peak_rss_mb, release_free_heap, reset_peak, rss_mb
 from tests.distributed.harness import run_ranks
 
@@ -24,7 +26,8 @@ def _values(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _same_bits(rank: int, world: int) -> list[str]:
-    """Where the package's reduce-scatter and all-gather differ from torch's (empty: nowhere)."""
+    """Where the package's reduce-scatter and all-gather differ from torch's (empty: nowhere); the
+    reduce-scatter into an output of its own sums in rank order instead (an exchange)."""
     comm = Communicator()
     wrong = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -32,7 +35,13 @@ def _same_bits(rank: int, world: int) -> list[str]:
             x = _values(rank, numel, dtype)
             expected = torch.empty(numel // world, dtype=dtype)
             dist.reduce_scatter_tensor(expected, x.clone())
-            apart = torch.empty_like(expected)  # the output is a tensor of its own
+            everyone = torch.empty(world * numel, dtype=dtype)
+            dist.all_gather_into_tensor(everyone, x)
+            mine = everyone.view(world, world, -1)[:, rank]  # every rank's chunk `rank`, in rank order
+            in_rank_order = mine[0] + mine[1]
+            for part in mine[2:]:
+                in_rank_order += part
+            apart = torch.empty_like(expected)  # the output is a tensor of its own: an exchange
             comm.reduce_scatter(apart, x.clone(), name="rs/apart", scratch_input=True).wait()
             flat = x.clone()  # the output is this rank's chunk of the input (stage 1)
             own = flat[rank * (numel // world) : (rank + 1) * (numel // world)]
@@ -50,7 +59,7 @@ def _same_bits(rank: int, world: int) -> list[str]:
             reference = torch.empty(numel, dtype=dtype)
             dist.all_gather_into_tensor(reference, expected)
             checks = {
-                "reduce-scatter into its own output": torch.equal(apart, expected),
+                "reduce-scatter into its own output": torch.equal(apart, in_rank_order),
                 "reduce-scatter into the input's chunk": torch.equal(own, expected),
                 "reduce-scatter that keeps its input": torch.equal(plain, expected) and torch.equal(kept, x),
                 "all-gather": torch.equal(gathered, reference),
@@ -89,6 +98,27 @@ def test_in_place_collectives_hold_no_full_size_copy(tmp_path):
     # torch's reduce_scatter_tensor and all_gather_into_tensor on gloo rise by the whole 64 MiB
     for rises in run_ranks(_transients, 2, tmp_path):
         assert all(rise < 8 for rise in rises.values()), rises
+
+
+def _late_peer(rank: int, world: int) -> list[float]:
+    """A reduce-scatter into an output of its own (sends and receives) whose peer comes later than a
+    wait's slice, then an all-reduce: the group still works."""
+    comm = Communicator()
+    flat, out = torch.arange(8.0) + rank, torch.empty(4)
+    if rank == 1:
+        time.sleep(2.5 * POLL_S)
+    comm.reduce_scatter(out, flat, name="rs/late", scratch_input=True).wait()
+    after = torch.ones(2)
+    comm.all_reduce(after, name="ar/after").wait()
+    return out.tolist() + after.tolist()
+
+
+def test_an_exchange_waits_for_a_late_peer(tmp_path):
+    """A gloo send or receive whose wait times out closes the connection and ends the group: the
+    exchange is waited for without the slices a collective's wait takes."""
+    expected = {0: [1.0, 3.0, 5.0, 7.0, 2.0, 2.0], 1: [9.0, 11.0, 13.0, 15.0, 2.0, 2.0]}
+    for rank, got in enumerate(run_ranks(_late_peer, 2, tmp_path)):
+        assert got == expected[rank]
 
 
 def _where_temporaries_die(rank: int, world: int) -> dict[str, int]:

@@ -217,7 +217,7 @@ def test_time_of_the_worked_case():
 
 
 def test_time_with_the_bytes_gloo_sends():
-    """On gloo a reduce-scatter sends an all-reduce's bytes: twice the ring model's, the rest alike."""
+    """On gloo a stage-2 reduce-scatter sends an all-reduce's bytes: twice the ring model's, the rest alike."""
     hybrid = hybrid_traffic(PSI, 4, 2, ranks_per_node=2, shard_size=2, **FP32)
     full = hybrid_traffic(PSI, 4, 2, ranks_per_node=2, shard_size=4, **FP32)
     # stage 2, K = 2: the reduce-scatter's 2 MB inside the node count twice: 6 ms + 2 ms, inter as before
@@ -229,6 +229,10 @@ def test_time_with_the_bytes_gloo_sends():
     assert hybrid_comm_time(full, intra=INTRA, inter=INTER, backend="gloo", int8_grads=True) == pytest.approx(
         0.08
     )
+    # stage 3 exchanges its units' gradients (sends and receives): the ring's bytes on gloo too
+    stage3 = hybrid_traffic(PSI, 4, 3, ranks_per_node=2, shard_size=4, **FP32)
+    gloo = hybrid_comm_time(stage3, intra=INTRA, inter=INTER, backend="gloo")
+    assert gloo == pytest.approx(hybrid_comm_time(stage3, intra=INTRA, inter=INTER, backend="nccl"))
 
 
 def test_time_rejects_a_bad_link():
