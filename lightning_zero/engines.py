@@ -63,6 +63,12 @@ class Engine:
     def optimizer_of(self, index: int) -> Optimizer:
         return self.optimizers[index]
 
+    def largest_freed_block(self) -> int:
+        """Bytes of the largest block the engine allocates and frees again within a step (a stage-2
+        bucket's gradients, a stage-3 unit gathered or its gradient buffer): what the CPU allocator's
+        setting is chosen by (allocator.py); 0 where it frees nothing (stages 0-1)."""
+        return 0
+
     @property
     def buffer_meter(self) -> Any:
         """Gradient buffers alive in backward, now and at most: stage 2's buckets, stage 3's units,
@@ -316,6 +322,12 @@ class ShardedOptimizerEngine(Engine):
             self.sharded_params.shard_optimizer(optimizer, index)
         return self.wrapped
 
+    def largest_freed_block(self) -> int:
+        if self.config.stage < 2:
+            return 0
+        buckets = self.wrapped.sync.buckets
+        return max((b.spec.padded_numel * b.spec.dtype.itemsize for b in buckets), default=0)
+
     def take_assigned(self) -> None:
         """Values assigned by hand (``p.data = value``) into the buckets, and under a policy into the
         fp32 masters (see [Note: parameters assigned by hand] in zero/optimizer.py)."""
@@ -390,6 +402,14 @@ class FullyShardedEngine(Engine):
 
     sharded = True
     streams_values = True
+
+    def largest_freed_block(self) -> int:
+        sizes = [0]
+        for unit in self.zero3.units:
+            sizes += [flat.nbytes for flat in unit.flats]
+            if unit.trainable is not None:  # its reduce-scatter's input
+                sizes.append(unit.trainable.flat.padded_numel * unit.reduce_dtype.itemsize)
+        return max(sizes)
 
     def setup(
         self,

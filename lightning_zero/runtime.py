@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_zero import checkpoint as checkpoints
 from lightning_zero import faults
-from lightning_zero.allocator import tune_cpu_allocator
+from lightning_zero.allocator import MMAP_THRESHOLD, tune_cpu_allocator
 from lightning_zero.comm import CommLedger, Communicator
 from lightning_zero.comm.collectives import is_distributed
 from lightning_zero.comm.mesh import sharding_comm
@@ -235,7 +235,16 @@ class ZeroRun:
             )
         optimizers = list(optimizers) if engine.needs_optimizers_first else []
         wrapped = engine.setup(module, optimizers, device=device, rng_state=self.init_rng)
+        self._settle_allocator(engine, device)
         return wrapped
+
+    def _settle_allocator(self, engine: Engine, device: torch.device) -> None:
+        """Once the model is wrapped: a stage that frees memory while it trains, but no block as
+        large as the mmap threshold (every unit and bucket smaller), takes the setting of the stages
+        that free nothing (see [Note: why the CPU allocator is tuned] in allocator.py)."""
+        if self.config.stage >= 2 and self.comm.world_size > 1:
+            frees = engine.largest_freed_block() >= MMAP_THRESHOLD
+            tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
 
     def add_optimizer(
         self, module: nn.Module | None, optimizer: Optimizer, known: Sequence[Optimizer], *, closed: bool
