@@ -304,6 +304,7 @@ def model_state(trainer: L.Trainer) -> dict[str, Any]:
             "memory_report": report._asdict(),
             "memory_source": "memory_report",
             "last_step_comm": comm,
+            "wait_s": dict(ledger.wait_totals()),  # per op, the whole run's time blocked in waits
             "fallbacks": fallbacks(strategy),
             **units_and_buckets(strategy),
         }
