@@ -179,18 +179,20 @@ class StepTimer(L.Callback):
         self.out = out  # the run's JSON file (rank files sit next to it)
         self.step_times: list[float] = []  # wall seconds per optimizer step, in order
         self.cpu_times: list[float] = []  # CPU seconds of this process (all threads) per step
+        self.main_cpu_times: list[float] = []  # of those, the training thread's (the rest: the backend's)
         self.rss_every = rss_every  # sample the resident set size every this many steps (0: never)
         self.rss_kib: list[tuple[int, int]] = []  # (optimizer steps done, resident KiB)
-        self._start: tuple[float, float] | None = None  # (perf_counter, process_time) at step start
+        self._start: tuple[float, float, float] | None = None  # perf_counter, process_time, thread_time
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._start = (time.perf_counter(), time.process_time())
+        self._start = (time.perf_counter(), time.process_time(), time.thread_time())
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         assert self._start is not None
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         self.step_times.append(wall - self._start[0])
         self.cpu_times.append(cpu - self._start[1])
+        self.main_cpu_times.append(main - self._start[2])
         if self.rss_every and len(self.step_times) % self.rss_every == 0:
             self.rss_kib.append((len(self.step_times), resident_kib()))
 
@@ -199,6 +201,7 @@ class StepTimer(L.Callback):
             "rank": trainer.global_rank,
             "step_times_s": self.step_times,
             "cpu_times_s": self.cpu_times,
+            "main_cpu_times_s": self.main_cpu_times,
             "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
             "rss_kib": self.rss_kib,
             "num_threads": torch.get_num_threads(),

@@ -26,6 +26,7 @@ import logging
 import multiprocessing.util
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -141,6 +142,12 @@ class Shared:
 def _shared(name: str) -> property:
     """An attribute of the process's :class:`Shared`, read and set through any of its communicators."""
     return property(lambda self: getattr(self.shared, name), lambda self, v: setattr(self.shared, name, v))
+
+
+def _named_in_profile(name: str) -> Any:
+    """A profiler range named ``name`` while a profiler records (torch.profiler, ProfileSteps);
+    nothing otherwise: entering one costs a RecordFunction per collective on the hot path."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 class Communicator(Waits, CheckedIssue, ObjectCollectives):
@@ -277,7 +284,7 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
             self.ledger.record(op, name, payload_bytes, self.world_size, link=self.link)
         issued = self.tracker.issue(op, name, payload_bytes)
         self._check(issued, timed_as=None if control else op, expectable=not control)
-        with torch.profiler.record_function(name):
+        with _named_in_profile(name):
             work = launch()  # an error here is this rank's own (a bad argument): raised as it is
         self.tracker.launched(issued, work)
         return Handle(work, self, None if control else op, issued, device, lent)
