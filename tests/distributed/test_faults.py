@@ -57,6 +57,41 @@ def test_a_failing_rank_stops_its_waiting_peer_with_its_own_message(tmp_path):
     assert rank1.result == "stayed until rank 0 had left"
 
 
+def _exchange_waits_on_a_failed_peer(rank: int, world_size: int, out: str, kill: bool) -> str:
+    """Rank 0 waits in a stage-3 reduce-scatter done as sends and receives (waited without slices,
+    see [Note: collectives in place]); rank 1 fails instead of joining it: killed, or raising and
+    staying alive with its connections open."""
+    comm = _comm()
+    if rank == 1:
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        faults.publish(comm, ValueError("bad batch 17"), step=3)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, "outcome0.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return "stayed until rank 0 had left"
+    grads, shard = torch.ones(8 * world_size), torch.empty(8)
+    name = "zero3/reduce_scatter/unit=blocks.2"
+    comm.reduce_scatter(shard, grads, name=name, scratch_input=True, async_op=False)
+    return "completed"
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["raised", "killed"])
+def test_a_peer_that_fails_stops_a_rank_waiting_in_an_exchange(tmp_path, kill):
+    rank0, rank1 = run_ranks(_exchange_waits_on_a_failed_peer, 2, tmp_path, str(tmp_path), kill, timeout=90)
+    assert rank0.error is not None and rank0.error.startswith("PeerFailure: "), rank0
+    assert f"rank 1 ({HOST}, pid " in rank0.error
+    why = (
+        "is gone without a word (killed by a signal" if kill else "failed at step 3: ValueError: bad batch 17"
+    )
+    assert why in rank0.error, rank0.error
+    assert "reduce_scatter #3 zero3/reduce_scatter/unit=blocks.2 (64 B)" in rank0.error, rank0.error
+    assert rank0.seconds < 2.0 + 8, rank0.seconds
+    assert rank0.exitcode == 1
+    if kill:
+        assert rank1.exitcode == -signal.SIGKILL
+
+
 def _killed(rank: int, world_size: int) -> str:
     comm = _comm()
     if rank == 1:
