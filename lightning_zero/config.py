@@ -116,8 +116,9 @@ class ZeroConfig:
             blocks of 4 MiB and more (buckets, gathered units, gradient buffers) go back to the
             system, so that the memory a stage frees shows in the process's resident size; at
             stages 0-1, on one rank, and at stages 2-3 whose units and buckets are all smaller
-            than 4 MiB (nothing to return), at the ceiling of glibc's own adjustment (32 MiB). The trim threshold is 64 MiB at every stage, so that
-            no step gives small blocks' heap pages back only to fault them in again. ``"default"`` leaves glibc's defaults.
+            than 4 MiB (nothing to return), at the ceiling of glibc's own adjustment (32 MiB).
+            The trim threshold is 64 MiB at every stage, so that no step gives small blocks' heap
+            pages back only to fault them in again. ``"default"`` leaves glibc's defaults.
             Settings the user made in the environment are kept either way; nothing changes on
             GPUs or other C libraries (lightning_zero/allocator.py).
         shard_size: hybrid sharding (stages 1-3): the ranks form groups of this many consecutive

@@ -127,8 +127,12 @@ class ZeroRun:
         while it trains (2-3 on several ranks: setup frees the unsharded model, and each step
         buckets or units) or not (0-1, and one rank, which keeps the model whole); see
         ``allocator.py``."""
-        frees = self.config.stage >= 2 and world_size > 1
+        frees = self._stage_frees(world_size)
         tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
+
+    def _stage_frees(self, world_size: int) -> bool:
+        """Stages 2-3 on several ranks free buckets or units while they train; the others nothing."""
+        return self.config.stage >= 2 and world_size > 1
 
     def watch_faults(self) -> bool:
         """Every rank's host known, the fault board open, the watchdog on (docs/failures.md). True
@@ -242,7 +246,7 @@ class ZeroRun:
         """Once the model is wrapped: a stage that frees memory while it trains, but no block as
         large as the mmap threshold (every unit and bucket smaller), takes the setting of the stages
         that free nothing (see [Note: why the CPU allocator is tuned] in allocator.py)."""
-        if self.config.stage >= 2 and self.comm.world_size > 1:
+        if self._stage_frees(self.comm.world_size):
             frees = engine.largest_freed_block() >= MMAP_THRESHOLD
             tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
 

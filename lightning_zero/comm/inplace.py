@@ -71,19 +71,18 @@ def reduce_scatter_by_exchange(
     waited for without a timeout: a gloo send or receive whose wait times out closes its
     connection to the peer, which ends the process group (measured: "Application timeout caused
     pair closure" on the next collective), so the Communicator waits for it on its waiter thread."""
-    size = output.numel()
+    out = output.view(-1)
     peers = [j for j in range(world_size) if j != rank]
-    extra = torch.empty((len(peers) - 1, size), dtype=input.dtype, device=input.device)
-    received = [output.view(-1), *extra]  # from peers[0] into the output, the rest apart
-    parts = {rank: chunk_of(input, rank, world_size), **dict(zip(peers, received))}
+    extra = torch.empty((world_size - 2, out.numel()), dtype=input.dtype, device=input.device)
+    received = dict(zip(peers, [out, *extra]))  # from the first peer into the output, the rest apart
     works, lent = [], []
-    for peer, into in zip(peers, received):
+    for peer, into in received.items():
         dst = dist.get_global_rank(group, peer) if group is not None else peer
         lent += [lend(chunk_of(input, peer, world_size)), lend(into)]
         works.append(dist.isend(lent[-2], dst, group=group))
         works.append(dist.irecv(lent[-1], dst, group=group))
-    parts_in_order = [parts[j] for j in range(world_size)]
-    return Works(works, sum_into=(output.view(-1), parts_in_order), lent=tuple(lent), timed=False)
+    parts = [chunk_of(input, j, world_size) if j == rank else received[j] for j in range(world_size)]
+    return Works(works, sum_into=(out, parts), lent=tuple(lent), timed=False)
 
 
 def all_gather_by_broadcasts(output: Tensor, input: Tensor, *, rank: int, world_size: int, group: Any) -> Any:
@@ -116,9 +115,7 @@ class Works:
     ) -> None:
         self.works = list(works)  # the torch Works, in launch order
         self.timed = timed  # False: wait only without a timeout (see reduce_scatter_by_exchange)
-        self.sum_into = (
-            sum_into  # (output, every rank's chunk in rank order, the output one of the first two)
-        )
+        self.sum_into = sum_into  # (output, each rank's chunk in rank order; the output is one of two first)
         self.lent = lent  # the private aliases the backend holds until it drops the works
 
     def wait(self, timeout: timedelta | None = None) -> bool:
