@@ -47,7 +47,7 @@ from lightning_zero.comm.faults import (
 )
 from lightning_zero.comm.guard import CheckedIssue
 from lightning_zero.comm.inplace import (
-    all_gather_by_broadcasts,
+    all_gather_in_place,
     all_reduce_for_scatter,
     chunk_of,
     copies_in_backend,
@@ -329,10 +329,10 @@ class Communicator(Waits, CheckedIssue, ObjectCollectives):
 
     def all_gather(self, output: Tensor, input: Tensor, *, name: str, async_op: bool = True) -> Handle:
         """Concatenate every rank's ``input`` shard into ``output`` (1D, N x shard); on gloo in
-        place, by broadcasts (see [Note: collectives in place] in inplace.py)."""
+        place (see [Note: collectives in place] in inplace.py)."""
         nbytes = output.numel() * output.element_size()
         in_place = output.is_contiguous() and self.active and copies_in_backend(output, self.group)
-        launch = all_gather_by_broadcasts if in_place else None
+        launch = all_gather_in_place if in_place else None
         return self._flat("all_gather", name, output, input, nbytes, launch, _ALL_GATHER, async_op)
 
     def _flat(

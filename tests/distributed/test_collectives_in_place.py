@@ -7,6 +7,7 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -69,8 +70,9 @@ def _same_bits(rank: int, world: int) -> list[str]:
     return wrong
 
 
-def test_in_place_collectives_give_torch_s_bits(tmp_path):
-    for wrong in run_ranks(_same_bits, 3, tmp_path):
+@pytest.mark.parametrize("world", [2, 3])  # at N = 2 swaps, above sends and receives, broadcasts
+def test_in_place_collectives_give_torch_s_bits(tmp_path, world):
+    for wrong in run_ranks(_same_bits, world, tmp_path):
         assert wrong == []
 
 
@@ -104,8 +106,8 @@ def _late_peer(rank: int, world: int) -> list[float]:
     """A reduce-scatter into an output of its own (sends and receives) whose peer comes later than a
     wait's slice, then an all-reduce: the group still works."""
     comm = Communicator()
-    flat, out = torch.arange(8.0) + rank, torch.empty(4)
-    if rank == 1:
+    flat, out = torch.arange(4.0 * world) + rank, torch.empty(4)
+    if rank == world - 1:
         time.sleep(2.5 * POLL_S)
     comm.reduce_scatter(out, flat, name="rs/late", scratch_input=True).wait()
     after = torch.ones(2)
@@ -113,12 +115,15 @@ def _late_peer(rank: int, world: int) -> list[float]:
     return out.tolist() + after.tolist()
 
 
-def test_an_exchange_waits_for_a_late_peer(tmp_path):
-    """A gloo send or receive whose wait times out closes the connection and ends the group: the
-    exchange is waited for without the slices a collective's wait takes."""
-    expected = {0: [1.0, 3.0, 5.0, 7.0, 2.0, 2.0], 1: [9.0, 11.0, 13.0, 15.0, 2.0, 2.0]}
-    for rank, got in enumerate(run_ranks(_late_peer, 2, tmp_path)):
-        assert got == expected[rank]
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_exchange_waits_for_a_late_peer(tmp_path, world):
+    """A gloo send or receive whose wait times out closes the connection and ends the group: above
+    N = 2 the exchange is waited for without the slices a collective's wait takes; at N = 2 the
+    swap is a collective, waited for in slices."""
+    ranks = sum(range(world))
+    for rank, got in enumerate(run_ranks(_late_peer, world, tmp_path)):
+        expected = [world * (4.0 * rank + k) + ranks for k in range(4)]
+        assert got == expected + [float(world)] * 2
 
 
 def _where_temporaries_die(rank: int, world: int) -> dict[str, int]:
