@@ -23,7 +23,7 @@ whose attention scores and MLP activations are exactly 4 MiB, that is 7-10% of a
 stage (zero0 within the noise of DDP with ``cpu_allocator="default"``, 10-14% behind it tuned).
 
 Stages 0 and 1 keep their buckets for the whole run and free nothing a user would see, so they
-take the other setting, the one glibc's dynamic adjustment climbs towards on its own: a 32 MiB mmap
+train on the other setting, the one glibc's dynamic adjustment climbs towards on its own: a 32 MiB mmap
 threshold (its ceiling on 64-bit) and a 64 MiB trim threshold (twice that, as it sets them).
 Tuned to 4 MiB they paid for activations mapped anew every step (zero0 against DDP on gpt_small:
 0.906x). Left on glibc's defaults they paid too, less visibly: the threshold that the first freed
@@ -43,6 +43,18 @@ activations of 4 MiB and more anew every step. Once the model is wrapped, such a
 setting of the stages that free nothing (``ZeroRun._settle_allocator``, by the engine's
 ``largest_freed_block``): zero3 on gpt_small, whose units are 0.8 MiB, from 2,750 page faults per
 rank and step to 100, and 1.127x zero0's step to 1.092x (6 interleaved repeats).
+
+Setting up is another matter at every stage on several ranks: the model is copied into flat
+buckets or shards of up to the bucket cap, with the module's own tensors still alive, and the
+sharded stages free what they copied. Under glibc's ceiling those blocks come from the heap, and
+where they land among the model's tensors decides what stays resident after these are freed: the
+memory-order test's stage 1, on the ceiling from the start, peaked 767-938 MiB above its start
+over five fits in fresh processes (its model state: 730), and at 778-912 in the test's own
+sequence, so that the test failed one run in three. So every stage sets up under the 4 MiB
+threshold (``ZeroRun.prepare_process``) and takes the setting for training once the model is
+wrapped (``ZeroRun._settle_allocator``): stage 1 then peaks at 753-768 MiB over four fits, and a
+step of stages 0-1 runs on the ceiling as before. One rank keeps the model as it is and takes the
+ceiling from the start.
 
 The trim threshold is 64 MiB at every stage. At 128 KiB (glibc's start value) stages 2-3 gave
 the heap's top back whenever more than that lay free there, which blocks below 4 MiB (activations,

@@ -123,12 +123,12 @@ class ZeroRun:
     # -- the processes ---------------------------------------------------------------------------
 
     def prepare_process(self, device: torch.device, world_size: int) -> None:
-        """Before the model exists: the CPU allocator setting, by whether the stage frees memory
-        while it trains (2-3 on several ranks: setup frees the unsharded model, and each step
-        buckets or units) or not (0-1, and one rank, which keeps the model whole); see
-        ``allocator.py``."""
-        frees = self._stage_frees(world_size)
-        tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
+        """Before the model exists: the CPU allocator setting for setting up, the one of stages that
+        free memory on several ranks (every stage builds flat buckets or shards there, and the
+        sharded stages free the unsharded model), glibc's ceiling on one rank, which keeps the
+        model as it is; :meth:`_settle_allocator` sets the one for training. See [Note: why the
+        CPU allocator is tuned] in ``allocator.py``."""
+        tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=world_size > 1)
 
     def _stage_frees(self, world_size: int) -> bool:
         """Stages 2-3 on several ranks free buckets or units while they train; the others nothing."""
@@ -243,12 +243,11 @@ class ZeroRun:
         return wrapped
 
     def _settle_allocator(self, engine: Engine, device: torch.device) -> None:
-        """Once the model is wrapped: a stage that frees memory while it trains, but no block as
-        large as the mmap threshold (every unit and bucket smaller), takes the setting of the stages
-        that free nothing (see [Note: why the CPU allocator is tuned] in allocator.py)."""
-        if self._stage_frees(self.comm.world_size):
-            frees = engine.largest_freed_block() >= MMAP_THRESHOLD
-            tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
+        """Once the model is wrapped, the setting for training: a stage that frees nothing while it
+        trains (0-1), or no block as large as the mmap threshold (every unit and bucket smaller),
+        takes glibc's ceiling (see [Note: why the CPU allocator is tuned] in allocator.py)."""
+        frees = self._stage_frees(self.comm.world_size) and engine.largest_freed_block() >= MMAP_THRESHOLD
+        tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
 
     def add_optimizer(
         self, module: nn.Module | None, optimizer: Optimizer, known: Sequence[Optimizer], *, closed: bool

@@ -1,6 +1,7 @@
-"""Stages 2-3 choose the CPU allocator's setting by what they free: once the model is wrapped, a fit
-whose every unit and bucket is smaller than the 4 MiB mmap threshold takes the setting of the stages
-that free nothing; one with a larger block keeps the 4 MiB threshold (lightning_zero/allocator.py)."""
+"""Every stage on several ranks sets up under the 4 MiB mmap threshold; once the model is wrapped,
+stages 0-1, and stages 2-3 whose every unit and bucket is smaller than the threshold, train on the
+setting of the stages that free nothing, and stages 2-3 with a larger block keep the 4 MiB threshold
+(lightning_zero/allocator.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,22 @@ SMALL = Shape(width=256, blocks=2, tokens=4, micro_batches=1)  # a block: 8 x 25
 LARGE = Shape(width=384, blocks=2, tokens=4, micro_batches=1)  # 4.5 MiB
 
 
-def mmap_threshold_after_fit(stage: int, shape: Shape, options: dict, root: str) -> tuple[int | None, bool]:
+class _Recorded(BigModule):
+    """The allocator's setting where the model is built (in ``configure_model``, before the wrap)."""
+
+    def configure_model(self) -> None:
+        self.building = cpu_allocator_state().frees
+        super().configure_model()
+
+
+def mmap_threshold_after_fit(
+    stage: int, shape: Shape, options: dict, root: str
+) -> tuple[bool, int | None, bool]:
     torch.set_num_threads(1)
-    quiet_trainer(zero_strategy(stage, **options), root).fit(BigModule(shape))
+    module = _Recorded(shape)
+    quiet_trainer(zero_strategy(stage, **options), root).fit(module)
     state = cpu_allocator_state()
-    return state.applied.get("M_MMAP_THRESHOLD"), state.frees
+    return module.building, state.applied.get("M_MMAP_THRESHOLD"), state.frees
 
 
 @pytest.mark.skipif(glibc_version() is None, reason="the setting is glibc's")
@@ -33,12 +45,16 @@ def test_a_stage_that_frees_only_small_blocks_keeps_them_in_the_heap(tmp_path, m
         (3, LARGE, {}),  # 4.5 MiB units
         (2, SMALL, {"bucket_cap_mb": 1}),  # buckets of 1 MiB
         (2, LARGE, {}),  # 9 MiB in 25 MiB buckets
+        (1, LARGE, {}),  # buckets kept for the whole run
+        (0, LARGE, {}),
     ]
     jobs = [functools.partial(mmap_threshold_after_fit, *run) for run in runs]
     for rank in run_jobs(jobs, str(tmp_path), world=2, timeout=300):
         assert rank == [
-            (STEADY_MMAP_THRESHOLD, False),
-            (MMAP_THRESHOLD, True),
-            (STEADY_MMAP_THRESHOLD, False),
-            (MMAP_THRESHOLD, True),
+            (True, STEADY_MMAP_THRESHOLD, False),
+            (True, MMAP_THRESHOLD, True),
+            (True, STEADY_MMAP_THRESHOLD, False),
+            (True, MMAP_THRESHOLD, True),
+            (True, STEADY_MMAP_THRESHOLD, False),
+            (True, STEADY_MMAP_THRESHOLD, False),
         ], rank
