@@ -112,11 +112,13 @@ class ZeroConfig:
             CRC32 recorded when it was written, when loading; a mismatch is a CheckpointError
             naming the file and the tensor.
         cpu_allocator: training on CPU under Linux with glibc: ``"tuned"`` fixes glibc's mmap
-            and trim thresholds through ``mallopt``. At stages 2-3 on several ranks (4 MiB) freed
-            blocks of 4 MiB and more (buckets, gathered units, gradient buffers) go back to the
-            system, so that the memory a stage frees shows in the process's resident size; at
-            stages 0-1, on one rank, and at stages 2-3 whose units and buckets are all smaller
-            than 4 MiB (nothing to return), at the ceiling of glibc's own adjustment (32 MiB).
+            and trim thresholds through ``mallopt``. On several ranks the model is set up under a
+            4 MiB mmap threshold at every stage, and stages 2-3 train under it, so that freed
+            blocks of 4 MiB and more (the unsharded model, buckets, gathered units, gradient
+            buffers) go back to the system and the memory a stage frees shows in the process's
+            resident size; stages 0-1, one rank, and stages 2-3 whose units and buckets are all
+            smaller than 4 MiB (nothing to return) train at the ceiling of glibc's own adjustment
+            (32 MiB).
             The trim threshold is 64 MiB at every stage, so that no step gives small blocks' heap
             pages back only to fault them in again. ``"default"`` leaves glibc's defaults.
             Settings the user made in the environment are kept either way; nothing changes on

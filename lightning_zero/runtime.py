@@ -130,10 +130,6 @@ class ZeroRun:
         CPU allocator is tuned] in ``allocator.py``."""
         tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=world_size > 1)
 
-    def _stage_frees(self, world_size: int) -> bool:
-        """Stages 2-3 on several ranks free buckets or units while they train; the others nothing."""
-        return self.config.stage >= 2 and world_size > 1
-
     def watch_faults(self) -> bool:
         """Every rank's host known, the fault board open, the watchdog on (docs/failures.md). True
         when this rank has peers to fail with."""
@@ -246,7 +242,8 @@ class ZeroRun:
         """Once the model is wrapped, the setting for training: a stage that frees nothing while it
         trains (0-1), or no block as large as the mmap threshold (every unit and bucket smaller),
         takes glibc's ceiling (see [Note: why the CPU allocator is tuned] in allocator.py)."""
-        frees = self._stage_frees(self.comm.world_size) and engine.largest_freed_block() >= MMAP_THRESHOLD
+        sharded = self.config.stage >= 2 and self.comm.world_size > 1
+        frees = sharded and engine.largest_freed_block() >= MMAP_THRESHOLD
         tune_cpu_allocator(self.config.cpu_allocator, device_type=device.type, frees=frees)
 
     def add_optimizer(

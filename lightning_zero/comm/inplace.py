@@ -81,20 +81,24 @@ def reduce_scatter_by_exchange(
     ends the process group (measured: "Application timeout caused pair closure" on the next
     collective), so the Communicator waits for them on its waiter thread."""
     out = output.view(-1)
-    if world_size == 2:
-        peer = 1 - rank
-        parts = [chunk_of(input, rank, 2), out][:: 1 if rank == 0 else -1]  # in rank order
-        return swap_with_peer(chunk_of(input, peer, 2), out, rank=rank, group=group, sum_into=(out, parts))
     peers = [j for j in range(world_size) if j != rank]
-    extra = torch.empty((world_size - 2, out.numel()), dtype=input.dtype, device=input.device)
+    extra = (
+        ()
+        if world_size == 2
+        else torch.empty((world_size - 2, out.numel()), dtype=input.dtype, device=input.device)
+    )
     received = dict(zip(peers, [out, *extra]))  # from the first peer into the output, the rest apart
+    parts = [chunk_of(input, j, world_size) if j == rank else received[j] for j in range(world_size)]
+    if world_size == 2:
+        return swap_with_peer(
+            chunk_of(input, peers[0], 2), out, rank=rank, group=group, sum_into=(out, parts)
+        )
     works, lent = [], []
     for peer, into in received.items():
         dst = dist.get_global_rank(group, peer) if group is not None else peer
         lent += [lend(chunk_of(input, peer, world_size)), lend(into)]
         works.append(dist.isend(lent[-2], dst, group=group))
         works.append(dist.irecv(lent[-1], dst, group=group))
-    parts = [chunk_of(input, j, world_size) if j == rank else received[j] for j in range(world_size)]
     return Works(works, sum_into=(out, parts), lent=tuple(lent), timed=False)
 
 
