@@ -10,14 +10,15 @@ stage 2 one per reduce buffer, and the parameter all-gather after the step one p
 thread. On CPU tensors under gloo the Communicator does instead, with the same bits as a result:
 
 - a reduce-scatter whose input the caller no longer needs (``scratch_input=True``; every bucket,
-  unit buffer and set-aside gradient in the package) into chunk r of that input (stages 1-2
-  reduce a bucket in place) is an all-reduce *in* the input, which is what gloo runs on its clone;
-- one into an output of its own (stage 3's units, set-aside gradients) is an exchange: rank r
-  sends chunk j to rank j and receives every other rank's chunk r, into the output and N-2
-  buffers of a chunk each, and sums them with its own in rank order when the wait returns. Each
-  rank sends (N-1)/N of the input, what a ring reduce-scatter sends and half of what the
-  all-reduce sends (gpt_small's stage 3: 2.0 against 3.3 ms for its 4 MiB of gradients), and
-  holds no full-size copy;
+  unit buffer and set-aside gradient in the package) into chunk r of that input (stage 1's
+  buckets, stage 2's where they add to a window) is an all-reduce *in* the input, which is what
+  gloo runs on its clone;
+- one into an output of its own (stage 3's units, set-aside gradients, stage 2's buckets into a
+  new shard gradient) is an exchange: rank r sends chunk j to rank j and receives every other
+  rank's chunk r, into the output and N-2 buffers of a chunk each, and sums them with its own in
+  rank order when the wait returns. Each rank sends (N-1)/N of the input, what a ring
+  reduce-scatter sends and half of what the all-reduce sends (gpt_small's stage 3: 2.0 against
+  3.3 ms for its 4 MiB of gradients), and holds no full-size copy;
 - an all-gather copies the input into chunk r of the output (unless it is that chunk already)
   and broadcasts every chunk from the rank that owns it, in place (N broadcasts, waited as one).
 

@@ -27,7 +27,12 @@ backward's gradients) the reducer gives it storage of its own (``keep_grad``), s
 synchronised backward before the step adds to it instead of overwriting it. Stage 2 attaches no
 views: the ready hook adds a parameter's fresh ``.grad`` into a bucket allocated on demand and
 drops the ``.grad`` at once; the bucket is freed as soon as its reduce-scatter completed, so only
-the 1/N shard gradients outlive the backward.
+the 1/N shard gradients outlive the backward. Where the bucket starts its shard gradient's window
+(nothing held: after ``zero_grad`` or the step), stage 2 reduce-scatters into new storage of a
+shard's size, which becomes the shard gradient, instead of into chunk r of the bucket: on gloo that
+is an exchange, half the bytes of the in-place all-reduce (see [Note: collectives in place] in
+comm/inplace.py), and no copy out of the bucket. A bucket that adds to a window (a micro-batch
+after the first, without ``no_sync``) reduces in place and adds its chunk.
 
 [Note: reduce dtype]
 With a ``reduce_dtype`` other than the parameters' dtype (bf16 or fp16 parameters, fp32 on the
@@ -526,13 +531,15 @@ class GradReducer:
             bucket.handle = self.comm.all_reduce(flat, name=f"{self.label}/all_reduce/bucket={bucket.index}")
             return
         size = flat.numel() // self.comm.world_size
-        # in place, into this rank's chunk: stage 2 copies it out when it hands the shard on
+        # in place, into this rank's chunk, which the shard gradient borrows (stage 1) or adds (stage 2)
         bucket.shard_out = flat[self.comm.rank * size : (self.comm.rank + 1) * size]
         name = f"{self.label}/reduce_scatter/bucket={bucket.index}"
         if self._int8(bucket) is not None and bucket.int8.guard.quantize_now():
             bucket.handle = bucket.int8.start(self.comm, flat, name)  # flat stays as it was
             self.buffer_meter.add(bucket.int8.nbytes)  # the packed chunks, sent and received
             return
+        if not bucket.persistent and self.spaces[bucket.index].takes_new_grad(bucket.spec.dtype):
+            bucket.shard_out = torch.empty_like(bucket.shard_out)  # stage 2: the shard gradient to be
         bucket.handle = self.comm.reduce_scatter(bucket.shard_out, flat, name=name, scratch_input=True)
 
     def _int8(self, bucket: Bucket) -> Int8Reduction | None:
@@ -554,7 +561,8 @@ class GradReducer:
             bucket.int8.finish(self.comm, bucket.shard_out, bucket.flat)
         self._sum_over_replicas(bucket.shard_out, f"bucket={bucket.index}")
         space = self.spaces[bucket.index]
-        space.accumulate_grad(bucket.shard_out, lend=True)
+        borrowed = bucket.shard_out.untyped_storage().data_ptr() == bucket.flat.untyped_storage().data_ptr()
+        space.accumulate_grad(bucket.shard_out, lend=borrowed)  # a chunk of the bucket, or its own
         if not bucket.persistent:  # the shard gets storage of its own, and the bucket is freed
             space.keep_grad()
             bucket.shard_out = None

@@ -241,6 +241,12 @@ class FlatParameter:
 
     # -- the shard gradient ----------------------------------------------------------------------
 
+    def takes_new_grad(self, dtype: torch.dtype) -> bool:
+        """Whether the next reduced gradient, of ``dtype``, becomes the shard gradient as it is
+        (nothing held in the window, the shard's dtype): it may be reduced straight into storage of
+        its own."""
+        return dtype == self.shard.dtype and (self.grad is None or not any(self._present()))
+
     def accumulate_grad(self, reduced: Tensor, *, lend: bool = False) -> None:
         """Add this rank's reduced gradient (1D, S) into the window (see [Note: gradient window]);
         every sub-shard's ``.grad`` becomes a view of its slice.

@@ -217,3 +217,57 @@ def _custom_state(rank: int, world: int) -> str:
 def test_optimizer_state_shaped_unlike_the_parameter_is_refused(tmp_path):
     message = run_ranks(_custom_state, 2, tmp_path)[0]
     assert "RowNorms keeps state 'rows' of shape (3,)" in message and "zero0" in message
+
+
+def _sent_per_bucket(rank: int, world: int) -> dict:
+    """Stage 2 on gloo: per backward, how each bucket's reduce-scatter went to the backend, as
+    (operation, elements this rank sends), against the bucket's padded size."""
+    import torch.distributed as dist
+
+    model = models.build(seed=100 + rank)
+    comm = Communicator()
+    broadcast_module_states(model, comm, label="t")
+    opt = _optimizer("adamw", model)
+    wrapped = wrap_module(model, comm, ZeroConfig(stage=2, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001))
+    sharded = ShardedParams(wrapped.sync, comm)
+    sharded.shard_optimizer(opt, 0)
+    sizes = {b.spec.padded_numel for b in wrapped.sync.buckets}
+    calls: list[tuple[str, int]] = []
+    all_reduce, all_to_all = dist.all_reduce, dist.all_to_all_single
+
+    def counted_all_reduce(tensor, *args, **kwargs):
+        calls.append(("all_reduce", tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    def counted_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        calls.append(("all_to_all", input.numel() - input_split_sizes[rank]))  # nothing to itself
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_reduce, dist.all_to_all_single = counted_all_reduce, counted_all_to_all
+    backwards = []
+    try:
+        for batch in models.global_batches(4, world):  # two micro-batches a step, no no_sync
+            calls.clear()
+            wrapped(*models.rank_slice(batch, rank)).backward()
+            backwards.append([c for c in calls if c[0] == "all_to_all" or c[1] in sizes])
+            if len(backwards) % 2 == 0:
+                opt.step()
+                sharded.after_step(opt, 0)
+                opt.zero_grad()
+    finally:
+        dist.all_reduce, dist.all_to_all_single = all_reduce, all_to_all
+    return {"backwards": backwards, "buckets": sorted(b.spec.padded_numel for b in wrapped.sync.buckets)}
+
+
+def test_zero2_sends_half_a_bucket_where_it_starts_the_window(tmp_path):
+    """A bucket whose shard gradient holds nothing is reduce-scattered into new storage, as an
+    exchange of half the bucket (one all-to-all at N = 2); one that adds to the window (the second
+    micro-batch without no_sync) all-reduces the whole bucket in place, as before."""
+    for r in run_ranks(_sent_per_bucket, 2, tmp_path):
+        halves = sorted(n // 2 for n in r["buckets"])
+        for i, calls in enumerate(r["backwards"]):
+            if i % 2 == 0:  # the window starts: the step or zero_grad consumed the shard gradients
+                assert sorted(n for op, n in calls if op == "all_to_all") == halves, (i, calls)
+                assert not [c for c in calls if c[0] == "all_reduce"], (i, calls)
+            else:
+                assert sorted(n for op, n in calls if op == "all_reduce") == r["buckets"], (i, calls)
