@@ -135,6 +135,7 @@ class Initializer:
         self._touched: set[int] = set()  # modules whose tensors (or their children's) were given values
         self._placed: dict[int, tuple[Tensor, Tensor]] = {}  # id(meta buffer) -> (it, what replaced it)
         self._unset: list[_Unset] = []  # buffers a reset_parameters or init_fn must write
+        self._hosted: set[int] = set()  # id(parameter) given host memory here and not yet released
 
     def __enter__(self) -> Initializer:
         self._saved = torch.get_rng_state()
@@ -143,7 +144,7 @@ class Initializer:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         torch.set_rng_state(self._saved)
-        unset, self._unset, self._placed = self._unset, [], {}
+        unset, self._unset, self._placed, self._hosted = self._unset, [], {}, set()
         if exc_type is None:
             _check_written(unset)
 
@@ -164,7 +165,7 @@ class Initializer:
                 "Pass param_init_fn (a callable taking a module, or its import path) to the strategy, "
                 "or build the model outside init_module(empty_init=True) / configure_model."
             )
-        _params_to_host(module)
+        self._hosted.update(id(p) for p in _params_to_host(module))
         self._give_buffers(name, module)
         with torch.no_grad():
             if reset is not None:
@@ -175,6 +176,17 @@ class Initializer:
             raise ValueError(
                 f"module {name or '(root)'!r}: {', '.join(left)} still on the meta device after its init"
             )
+
+    def release(self, params: list[Tensor]) -> None:
+        """Free the host memory of those of ``params`` this initializer gave it, once their values
+        are sharded: the module holds the sharded parameters now, but an optimizer made before the
+        model was sharded (the strategy sets its optimizers up first) still holds these objects
+        (they keep their identity, so that it can be pointed at the sharded ones) and would keep
+        the whole model alive until then."""
+        for p in params:
+            if id(p) in self._hosted:
+                self._hosted.discard(id(p))
+                p.untyped_storage().resize_(0)
 
     def _give_buffers(self, name: str, module: nn.Module) -> None:
         """The module's own meta buffers get their recorded values (on the training device) or,
@@ -201,15 +213,18 @@ def recorded_value(t: Tensor) -> tuple[Tensor | None, str]:
         return None, err.reason
 
 
-def _params_to_host(module: nn.Module) -> None:
-    """Uninitialised host memory for the module's own meta parameters. They keep their identity
-    (``swap_tensors``): optimizers and hooks made while the model was on the meta device still
-    refer to them."""
+def _params_to_host(module: nn.Module) -> list[nn.Parameter]:
+    """Uninitialised host memory for the module's own meta parameters; returns them. They keep
+    their identity (``swap_tensors``): optimizers and hooks made while the model was on the meta
+    device still refer to them."""
+    hosted = []
     for p in module.parameters(recurse=False):
         if p.is_meta:
             torch.utils.swap_tensors(
                 p, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
             )
+            hosted.append(p)
+    return hosted
 
 
 def _sentinel(buf: Tensor) -> Tensor:

@@ -221,7 +221,11 @@ class ZeroThree:
                 for name, module in post_order(root):  # children first: a unit after all its modules
                     initializer.materialize(name, module)
                     if name in wanted:
-                        built[name] = build(name, module)
+                        built[name] = unit = build(name, module)
+                        if unit is not None:  # its values are in its shard: one unit on the host at a time
+                            initializer.release(
+                                [r() for f in unit.flats for r in f.originals if r() is not None]
+                            )
         return [built[name] for name, _ in unit_modules if built[name] is not None]
 
     def sharded_of(self, p: Tensor) -> tuple[Any, int] | None:
