@@ -4,6 +4,7 @@
     python benchmarks/bench_gpu_overhead.py --models gpt_10m --stages 0,3 --repeats 6
     python benchmarks/bench_gpu_overhead.py --peak-tflops 312              # a GPU the table does not name
     python benchmarks/bench_gpu_overhead.py --out-dir benchmarks/results   # also write gpu_overhead.json and .md
+    python benchmarks/bench_gpu_overhead.py --models gpt_10m --budget-s 180  # the repeats that fit in 180 s
 
 On one GPU a stage has nobody to shard with, so ``Trainer(strategy="zeroK", devices=1)`` against
 ``Trainer(strategy="auto", devices=1)`` measures what the strategy's own machinery costs per step
@@ -104,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="bf16-mixed", help="Trainer(precision=...) of every run")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s")
     p.add_argument("--out-dir", type=Path, default=None, help="write gpu_overhead.json and .md here")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no repeat that would end past this many seconds (by the longest repeat so far); "
+        "the first always runs, the report says how many did",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one run of this variant
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # internal: its model
@@ -121,6 +129,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--models: unknown {unknown or 'empty list'}; known: {', '.join(MODELS)}")
     if not args.stages or any(s not in (0, 1, 2, 3) for s in args.stages):
         raise SystemExit(f"--stages must list stages 0-3, got {args.stages}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise SystemExit(f"--budget-s must be positive, got {args.budget_s}")
     if args.repeats < 1 or not 0 <= args.warmup < args.steps:
         raise SystemExit(
             f"need --repeats >= 1 and 0 <= --warmup < --steps, got {args.repeats}, {args.warmup}"
@@ -290,8 +300,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every model's interleaved runs, their rows and the report."""
+def measure(args: argparse.Namespace, clock: Any = time.perf_counter) -> dict[str, Any]:
+    """Every model's interleaved runs, their rows and the report; with ``--budget-s``, the repeats
+    that fit in it (a model none of whose repeats fits is left out and named)."""
+    start, longest = clock(), 0.0  # the longest repeat so far: the estimate of the next one
     setting = machine()  # before the runs: the code they run is the code at the start
     peak, source = peak_tflops(setting["gpu"], args.peak_tflops)
     variants = ["auto", *(f"zero{s}" for s in args.stages)]
@@ -304,14 +316,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for model in args.models:
             runs = []
             for repeat in range(1, args.repeats + 1):
+                began = clock()
+                if args.budget_s is not None and longest and began - start + longest > args.budget_s:
+                    break
                 for variant in variants:
                     runs.append(record := run_one(variant, model, repeat, args, Path(tmp)))
                     print(progress_line(record, args.repeats), file=sys.stderr, flush=True)
+                longest = max(longest, clock() - began)
+            done = len(runs) // len(variants)
+            payload["models"][model] = {"repeats_done": done}
+            if done < args.repeats:
+                report.append(
+                    f"{model}: {done} of {args.repeats} repeats fitted in --budget-s {args.budget_s:g}"
+                )
+            if not runs:
+                continue
             cfg, psi = runs[0]["config"], runs[0]["num_parameters"]
             flops = flops_per_token(psi, cfg["n_layer"], cfg["n_embd"], cfg["block_size"])
             tokens = args.batch_size * cfg["block_size"]
             rows = summarize(runs, variants, tokens, flops, peak)
-            payload["models"][model] = {"config": cfg, "num_parameters": psi, "flops_per_token": flops}
+            payload["models"][model].update(config=cfg, num_parameters=psi, flops_per_token=flops)
             payload["models"][model]["rows"] = [r._asdict() for r in rows]
             payload["runs"] += runs
             report += [

@@ -48,3 +48,34 @@ def test_without_cuda_it_says_so_and_exits_0(capsys, tmp_path):
     assert bench.main(["--out-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == bench.NO_GPU
     assert list(tmp_path.iterdir()) == []  # no result files without measurements
+
+
+def test_a_budget_runs_the_repeats_that_fit_and_says_how_many(monkeypatch):
+    """``--budget-s`` (``make gpu-check``'s default): a repeat starts only if it would end within the
+    budget by the longest repeat so far; the first always runs; the report names what was left."""
+    now = [0.0]
+    seconds = {"gpt_small": 10.0, "gpt_10m": 15.0}  # each run of a variant, by model
+
+    def fake_run(variant, model, repeat, args, workdir):
+        now[0] += seconds[model]
+        cfg = {"n_layer": 2, "n_embd": 8, "block_size": 16}
+        return {"variant": variant, "model": model, "repeat": repeat, "config": cfg, "num_parameters": 100,
+                "median_step_s": 0.01, "wall_s": seconds[model]}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    monkeypatch.setattr(bench, "machine", lambda: {"gpu": "NVIDIA H100", "torch": "t", "cuda": "c"})
+    # two variants: a repeat of gpt_small takes 20 s, of gpt_10m 30 s
+    args = bench.parse_args(
+        ["--models", "gpt_small,gpt_10m", "--stages", "0", "--repeats", "3", "--budget-s", "50"]
+    )
+    payload = bench.measure(args, clock=lambda: now[0])
+    assert payload["models"]["gpt_small"]["repeats_done"] == 2  # a third would end at 60 s
+    assert payload["models"]["gpt_10m"]["repeats_done"] == 0  # 40 s gone, 20 s more estimated: 60
+    assert "gpt_small: 2 of 3 repeats fitted in --budget-s 50" in payload["report"]
+    assert "gpt_10m: 0 of 3 repeats" in payload["report"]
+    assert len(payload["runs"]) == 4 and "rows" not in payload["models"]["gpt_10m"]
+    everything = bench.measure(bench.parse_args(["--models", "gpt_small", "--stages", "0", "--repeats", "3"]),
+                               clock=lambda: now[0])  # fmt: skip
+    assert everything["models"]["gpt_small"]["repeats_done"] == 3 and "fitted" not in everything["report"]
+    with pytest.raises(SystemExit, match="--budget-s"):
+        bench.parse_args(["--budget-s", "0"])
