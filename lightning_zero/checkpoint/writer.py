@@ -268,11 +268,36 @@ def save_sharded(
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; a :class:`Piece` gives its own write item and its ``local`` data."""
+    """DCP's default save planner; a :class:`Piece` gives its own write item and its ``local`` data.
+
+    [Note: pieces written without copies]
+    torch's ``FileSystemWriter`` clones every tensor whose storage is larger than the tensor before
+    it writes it (so as not to write the whole storage), and keeps every tensor it wrote until the
+    rank's file is closed. A parameter's piece views its unit's or bucket's flat shard, so a sharded
+    save held a copy of all of this rank's parameters at once (4Ψ/N in fp32: 194 MiB above the state
+    on a 100.8M model at N = 2). A piece in host memory is therefore handed over as a tensor of its
+    own storage over the same memory (through a NumPy view of its bytes): nothing is cloned, and
+    what the writer keeps costs nothing. Device tensors are copied to the host by the writer anyway.
+    """
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
-        return obj.local.detach() if isinstance(obj, Piece) else super().lookup_object(index)
+        if isinstance(obj, Piece):
+            return own_storage_view(obj.local.detach())
+        return super().lookup_object(index)
+
+
+def own_storage_view(t: Tensor) -> Tensor:
+    """``t`` as a tensor whose storage is exactly its bytes, sharing its memory (no copy), where ``t``
+    is a contiguous host tensor viewing a larger storage; ``t`` itself otherwise (or without NumPy).
+    The result keeps ``t``'s memory alive."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    try:
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # the bytes, viewed
+    except (RuntimeError, TypeError):  # NumPy absent, or a layout it cannot view
+        return t
+    return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
 def _ready_to_write(items: dict[str, Any], path: Path, partial: Path, comm: Communicator) -> int:
