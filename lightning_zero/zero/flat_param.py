@@ -245,7 +245,11 @@ class FlatParameter:
         """Whether the next reduced gradient, of ``dtype``, becomes the shard gradient as it is
         (nothing held in the window, the shard's dtype): it may be reduced straight into storage of
         its own."""
-        return dtype == self.shard.dtype and (self.grad is None or not any(self._present()))
+        return dtype == self.shard.dtype and self._starts_window(self._present())
+
+    def _starts_window(self, present: list[bool]) -> bool:
+        """Nothing is held in the window: the next reduced gradient starts it."""
+        return self.grad is None or not any(present)
 
     def accumulate_grad(self, reduced: Tensor, *, lend: bool = False) -> None:
         """Add this rank's reduced gradient (1D, S) into the window (see [Note: gradient window]);
@@ -257,7 +261,7 @@ class FlatParameter:
                 before it does); it is adopted without a copy until then.
         """
         present = self._present()
-        if self.grad is None or not any(present):
+        if self._starts_window(present):
             if reduced.dtype == self.shard.dtype:
                 self.grad, self._lent = reduced, lend
             else:
